@@ -1,0 +1,1 @@
+"""vllmstack: profiles, checks, build, lifecycle, benchmarks and dashboard for a local vLLM server."""

@@ -1,0 +1,58 @@
+"""Text and JSON views of resolved settings (`invoke config`, `invoke profiles`)."""
+
+from __future__ import annotations
+
+import json
+
+from vllmstack.profiles import ProfileInfo, Resolved
+from vllmstack.vllm_args import ArgvError, build_serve_argv
+
+
+class ConfigError(Exception):
+    pass
+
+
+def explain(resolved: Resolved) -> dict[str, dict[str, str]]:
+    return {k: {"value": s.value, "source": s.source} for k, s in sorted(resolved.values.items())}
+
+
+def render_config(
+    resolved: Resolved, *, explain: bool = False, vllm_args: bool = False, as_json: bool = False
+) -> str:
+    if vllm_args:
+        try:
+            command = build_serve_argv(resolved)
+        except ArgvError as exc:
+            raise ConfigError(str(exc)) from exc
+        return json.dumps(command.argv, indent=2) if as_json else command.shell()
+    if explain:
+        table = _explain(resolved)
+        if as_json:
+            return json.dumps(table, indent=2)
+        width = max(len(k) for k in table)
+        return "\n".join(
+            f"{k:<{width}}  {v['value']!r:<40}  {v['source']}" for k, v in table.items()
+        )
+    values = {k: s.value for k, s in sorted(resolved.values.items())}
+    if as_json:
+        return json.dumps(values, indent=2)
+    header = f"# platform={resolved.platform} profile={resolved.profile}"
+    return "\n".join([header, *(f"{k}={v}" for k, v in values.items())])
+
+
+_explain = explain
+
+
+def render_profiles(infos: list[ProfileInfo]) -> str:
+    lines: list[str] = []
+    for kind, title in (("platform", "Platforms (--platform)"), ("model", "Model profiles (--model)")):
+        group = [i for i in infos if i.kind == kind]
+        if not group:
+            continue
+        width = max(len(i.name) for i in group)
+        lines.append(title)
+        for info in group:
+            extra = f"  [{', '.join(info.platforms)}]" if info.platforms else ""
+            lines.append(f"  {info.name:<{width}}  {info.description}{extra}")
+        lines.append("")
+    return "\n".join(lines).rstrip()

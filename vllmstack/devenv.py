@@ -1,0 +1,44 @@
+"""The developer test command: provision what the tests need, then ruff, mypy and pytest."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from vllmstack.paths import Project
+from vllmstack.runner import Runner
+
+PYTEST_NO_TESTS = 5
+
+
+def run_test_suite(
+    project: Project, runner: Runner, *, quick: bool = False, keyword: str | None = None
+) -> int:
+    """Return the exit code of the first failing step (0 when all pass)."""
+    py = sys.executable
+    if not quick:
+        setup = project.root / "scripts" / "test-env.sh"
+        # Docker engine, local base image, Chromium: installed and started when missing.
+        result = runner.run(["bash", str(setup)], capture=False, cwd=project.root)
+        if not result.ok:
+            print(f"test environment setup failed (exit {result.returncode})", file=sys.stderr)
+            return result.returncode or 1
+    steps = [
+        [py, "-m", "ruff", "check", "vllmstack", "tests", "tasks.py"],
+        [py, "-m", "mypy"],
+    ]
+    for argv in steps:
+        result = runner.run(argv, capture=False, cwd=project.root)
+        if not result.ok:
+            return result.returncode
+    pytest = [py, "-m", "pytest", "-q", "-rs"]
+    if quick:
+        pytest += ["-m", "not docker and not slow and not browser"]
+    if keyword:
+        pytest += ["-k", keyword]
+    env = {**os.environ, "VLLMSTACK_TEST_FULL": "0" if quick else "1"}
+    result = runner.run(pytest, capture=False, cwd=project.root, env=env)
+    if result.returncode == PYTEST_NO_TESTS:
+        print("pytest collected no tests: that is a failure here", file=sys.stderr)
+        return 1
+    return result.returncode

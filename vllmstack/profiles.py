@@ -1,0 +1,357 @@
+"""Layered profiles: one resolver for every task, the dashboard and the benchmarks.
+
+Order, last wins:
+  1. schema defaults
+  2. the platform layer   env/platforms/<PLATFORM>.env   (and the layers it EXTENDS)
+  3. the model profile    env/models/<MODEL_PROFILE>.env (and its EXTENDS, e.g. families/qwen3)
+  4. .env                 host values and build pins; it also selects PLATFORM and MODEL_PROFILE
+  5. --set KEY=VALUE      repeated, in order
+`--platform` and `--model` override the selection made in .env.
+Every value keeps the file and line that set it.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dotenv.parser import parse_stream
+
+from vllmstack.findings import Finding
+from vllmstack.paths import Project
+from vllmstack.schema import Schema, as_list, is_engine_env_name, load_schema, validate_value
+
+PLATFORM_DIR = "platforms"
+MODEL_DIR = "models"
+REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+@dataclass(frozen=True)
+class Setting:
+    key: str
+    value: str
+    source: str  # "env/models/x.env:12", ".env:3", "--set" or "default"
+
+    @property
+    def from_file(self) -> bool:
+        return self.source not in ("--set", "default")
+
+
+@dataclass(frozen=True)
+class Line:
+    key: str
+    value: str
+    line: int
+
+
+@dataclass
+class Resolved:
+    """The settings of one platform + model profile, with provenance and the problems met."""
+
+    platform: str
+    profile: str
+    values: dict[str, Setting]
+    layers: list[Path]
+    problems: list[Finding] = field(default_factory=list)
+    # Every assignment in order, so checks can say what overrode what.
+    history: dict[str, list[Setting]] = field(default_factory=dict)
+
+    def get(self, key: str, default: str | None = None) -> str | None:
+        setting = self.values.get(key)
+        return setting.value if setting is not None else default
+
+    def source(self, key: str) -> str | None:
+        setting = self.values.get(key)
+        return setting.source if setting is not None else None
+
+    def as_env(self) -> dict[str, str]:
+        return {k: s.value for k, s in self.values.items()}
+
+
+class ProfileError(Exception):
+    """Selection failed (unknown platform or profile); the message says what exists."""
+
+
+def read_env_file(path: Path, display: str) -> tuple[list[Line], list[Finding]]:
+    """Parse one dotenv file keeping line numbers; duplicates and syntax errors become findings."""
+    lines: list[Line] = []
+    problems: list[Finding] = []
+    seen: dict[str, int] = {}
+    text = path.read_text(encoding="utf-8")
+    for binding in parse_stream(io.StringIO(text)):
+        lineno = binding.original.line
+        where = f"{display}:{lineno}"
+        if binding.error:
+            problems.append(
+                Finding(
+                    "error", "syntax", f"cannot parse {binding.original.string.strip()!r}",
+                    source=where, fix="write KEY=VALUE, quote values with spaces or #",
+                )
+            )
+            continue
+        if binding.key is None:
+            continue
+        if binding.value is None:
+            problems.append(
+                Finding(
+                    "error", "syntax", f"{binding.key} has no '=' and no value", key=binding.key,
+                    source=where, fix=f"write {binding.key}=VALUE (or {binding.key}= for empty)",
+                )
+            )
+            continue
+        if binding.key in seen:
+            problems.append(
+                Finding(
+                    "error", "duplicate-key",
+                    f"{binding.key} is set twice in {display} (lines {seen[binding.key]} and "
+                    f"{lineno}); the later one would silently win",
+                    key=binding.key, source=where, fix="delete one of the two lines",
+                )
+            )
+        seen[binding.key] = lineno
+        lines.append(Line(binding.key, binding.value, lineno))
+    return lines, problems
+
+
+@dataclass
+class _Stack:
+    project: Project
+    order: list[tuple[Path, str, list[Line]]] = field(default_factory=list)
+    problems: list[Finding] = field(default_factory=list)
+
+    def display(self, path: Path) -> str:
+        try:
+            return str(path.relative_to(self.project.root))
+        except ValueError:
+            return str(path)
+
+    def add_layer(self, name: str, via: str | None, chain: tuple[str, ...] = ()) -> None:
+        """Add env/<name>.env after the layers it EXTENDS (depth first, each file once)."""
+        path = self.project.env_dir / f"{name}.env"
+        if name in chain:
+            cycle = " -> ".join([*chain, name])
+            self.problems.append(
+                Finding("error", "layer-cycle", f"layers extend each other in a loop: {cycle}",
+                        key="EXTENDS", source=via, fix="remove one EXTENDS entry of the loop")
+            )
+            return
+        if any(p == path for p, _, _ in self.order):
+            return
+        if not path.is_file():
+            self.problems.append(
+                Finding("error", "missing-layer", f"layer {name!r} does not exist ({self.display(path)})",
+                        key="EXTENDS", source=via,
+                        fix=f"create {self.display(path)} or fix the name")
+            )
+            return
+        display = self.display(path)
+        lines, problems = read_env_file(path, display)
+        self.problems.extend(problems)
+        for line in lines:
+            if line.key == "EXTENDS":
+                for parent in as_list(line.value):
+                    self.add_layer(parent, f"{display}:{line.line}", (*chain, name))
+        self.order.append((path, display, lines))
+
+
+def available(project: Project, kind: str) -> list[str]:
+    folder = project.env_dir / kind
+    return sorted(p.stem for p in folder.glob("*.env")) if folder.is_dir() else []
+
+
+def parse_overrides(pairs: Sequence[str]) -> tuple[list[tuple[str, str]], list[Finding]]:
+    out: list[tuple[str, str]] = []
+    problems: list[Finding] = []
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        key = key.strip()
+        if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+            problems.append(
+                Finding("error", "bad-override", f"--set {pair!r} is not KEY=VALUE",
+                        source="--set", fix="write --set KEY=VALUE, e.g. --set VLLM_MAX_NUM_SEQS=4")
+            )
+            continue
+        out.append((key, value))
+    return out, problems
+
+
+def resolve(
+    project: Project,
+    *,
+    platform: str | None = None,
+    model: str | None = None,
+    overrides: Sequence[str] = (),
+    environ: Mapping[str, str] | None = None,
+    schema: Schema | None = None,
+) -> Resolved:
+    """Resolve one platform + model profile. Raises ProfileError only for an unknown selection."""
+    schema = schema or load_schema()
+    environ = environ or {}
+    stack = _Stack(project)
+    dotenv_lines: list[Line] = []
+    host_file = project.dotenv if project.dotenv.is_file() else project.dotenv_example
+    host_display = host_file.name
+    if host_file.is_file():
+        dotenv_lines, problems = read_env_file(host_file, host_display)
+        stack.problems.extend(problems)
+        if host_file == project.dotenv_example:
+            stack.problems.append(
+                Finding("info", "no-dotenv", "no .env here: using the pins and host values of "
+                        ".env.example", source=".env.example",
+                        fix="cp .env.example .env, then edit it for this machine")
+            )
+    dotenv_values = {line.key: line.value for line in dotenv_lines}
+    sets, set_problems = parse_overrides(overrides)
+    stack.problems.extend(set_problems)
+    set_values = dict(sets)
+
+    defaults = schema.defaults()
+    platform_name = (
+        platform or set_values.get("PLATFORM") or dotenv_values.get("PLATFORM")
+        or defaults["PLATFORM"]
+    )
+    model_name = (
+        model or set_values.get("MODEL_PROFILE") or dotenv_values.get("MODEL_PROFILE")
+        or defaults["MODEL_PROFILE"]
+    )
+    for kind, name, flag in ((PLATFORM_DIR, platform_name, "--platform"),
+                             (MODEL_DIR, model_name, "--model")):
+        if not (project.env_dir / kind / f"{name}.env").is_file():
+            names = ", ".join(available(project, kind)) or "none"
+            raise ProfileError(
+                f"unknown {kind[:-1]} {name!r}: env/{kind}/{name}.env does not exist. "
+                f"Available: {names}. Choose one with {flag} NAME."
+            )
+    stack.add_layer(f"{PLATFORM_DIR}/{platform_name}", None)
+    stack.add_layer(f"{MODEL_DIR}/{model_name}", None)
+
+    values: dict[str, Setting] = {}
+    history: dict[str, list[Setting]] = {}
+
+    def assign(key: str, value: str, source: str) -> None:
+        setting = Setting(key, value, source)
+        values[key] = setting
+        history.setdefault(key, []).append(setting)
+
+    for key, value in defaults.items():
+        assign(key, value, "default")
+    for _, display, lines in stack.order:
+        for line in lines:
+            if line.key != "EXTENDS":
+                assign(line.key, line.value, f"{display}:{line.line}")
+    for line in dotenv_lines:
+        assign(line.key, line.value, f"{host_display}:{line.line}")
+    for key, value in sets:
+        assign(key, value, "--set")
+    # The selection is what was used, whichever layer named it.
+    assign("PLATFORM", platform_name, "--platform" if platform else values["PLATFORM"].source)
+    assign("MODEL_PROFILE", model_name, "--model" if model else values["MODEL_PROFILE"].source)
+
+    _expand_references(values, environ, stack.problems)
+    stack.problems.extend(validate_settings(values, schema))
+    return Resolved(
+        platform=platform_name,
+        profile=model_name,
+        values=values,
+        layers=[p for p, _, _ in stack.order],
+        problems=stack.problems,
+        history=history,
+    )
+
+
+def _expand_references(
+    values: dict[str, Setting], environ: Mapping[str, str], problems: list[Finding]
+) -> None:
+    """Expand ${NAME} from other settings (recursively), then from the host environment."""
+    done: dict[str, str] = {}
+
+    def expand(key: str, active: tuple[str, ...]) -> str:
+        if key in done:
+            return done[key]
+        setting = values[key]
+
+        def lookup(match: re.Match[str]) -> str:
+            name = match.group(1)
+            if name in values and name != key and name not in active:
+                return expand(name, (*active, key))
+            if name in environ:
+                return environ[name]
+            problems.append(
+                Finding("error", "undefined-reference",
+                        f"{key} refers to ${{{name}}}, which no layer or host variable sets"
+                        + (" (or refers back to itself)" if name in active or name == key else ""),
+                        key=key, source=setting.source,
+                        fix=f"set {name} in .env or write the value out")
+            )
+            return match.group(0)
+
+        done[key] = REFERENCE.sub(lookup, setting.value) if "${" in setting.value else setting.value
+        return done[key]
+
+    for key in list(values):
+        expanded = expand(key, ())
+        if expanded != values[key].value:
+            values[key] = Setting(key, expanded, values[key].source)
+
+
+def validate_settings(values: Mapping[str, Setting], schema: Schema) -> list[Finding]:
+    """Unknown keys (warning, with the closest known name) and type/range problems (error)."""
+    problems: list[Finding] = []
+    for key, setting in values.items():
+        spec = schema.get(key)
+        if spec is None:
+            guess = schema.closest(key)
+            fix = f"did you mean {guess}?" if guess else "remove it, or see `invoke config --explain`"
+            fate = (
+                "it is passed to the engine's environment as is"
+                if is_engine_env_name(key) else "it is ignored"
+            )
+            problems.append(
+                Finding("warning", "unknown-key", f"{key} is not a known key; {fate}",
+                        key=key, source=setting.source, fix=fix)
+            )
+            continue
+        problem = validate_value(spec, setting.value)
+        if problem:
+            problems.append(
+                Finding("error", "bad-value", f"{key} {problem}", key=key, source=setting.source,
+                        fix=_value_fix(spec.name, spec.type, spec.choices))
+            )
+    return problems
+
+
+def _value_fix(name: str, kind: str, choices: tuple[str, ...] | None) -> str:
+    if kind == "json":
+        return f"quote the whole value in single quotes: {name}='{{\"key\": \"value\"}}'"
+    if choices:
+        return f"use one of: {', '.join(c or '(empty)' for c in choices)}"
+    examples = {"int": ("a whole number", "4"), "float": ("a number", "0.9"),
+                "bool": ("true or false", "true")}
+    if kind in examples:
+        what, example = examples[kind]
+        return f"write {what}, e.g. {name}={example}"
+    return f"check the value of {name}"
+
+
+@dataclass(frozen=True)
+class ProfileInfo:
+    kind: str  # "platform" | "model"
+    name: str
+    description: str
+    platforms: tuple[str, ...] = ()
+
+
+def list_profiles(project: Project) -> list[ProfileInfo]:
+    """Every platform and model profile with its one-line description."""
+    out: list[ProfileInfo] = []
+    for kind, folder in (("platform", PLATFORM_DIR), ("model", MODEL_DIR)):
+        for name in available(project, folder):
+            path = project.env_dir / folder / f"{name}.env"
+            lines, _ = read_env_file(path, name)
+            values = {line.key: line.value for line in lines}
+            out.append(ProfileInfo(kind, name, values.get("PROFILE_DESCRIPTION", ""),
+                                   tuple(as_list(values.get("PROFILE_PLATFORMS")))))
+    return out

@@ -1,0 +1,170 @@
+"""The one place where the stack starts other programs.
+
+Every command is an argv list. Tasks get a runner and never call subprocess
+themselves, so `--dry-run` prints exactly what would run and tests record argv
+lists instead of starting processes.
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol, TextIO
+
+
+@dataclass(frozen=True)
+class Result:
+    argv: tuple[str, ...]
+    returncode: int
+    stdout: str = ""
+    stderr: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+
+class CommandError(RuntimeError):
+    """A command the stack needed failed; carries what it printed."""
+
+    def __init__(self, result: Result, what: str = "") -> None:
+        self.result = result
+        tail = (result.stderr or result.stdout).strip().splitlines()[-5:]
+        msg = f"{what or 'command'} failed (exit {result.returncode}): {shlex.join(result.argv)}"
+        if tail:
+            msg += "\n  " + "\n  ".join(tail)
+        super().__init__(msg)
+
+
+class Runner(Protocol):
+    """Runs argv lists. `capture` returns output; `stream` lets it reach the terminal."""
+
+    dry_run: bool
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        capture: bool = True,
+        check: bool = False,
+        env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
+        input_text: str | None = None,
+        timeout: float | None = None,
+        mutates: bool = True,
+    ) -> Result: ...
+
+
+def _check(result: Result, check: bool) -> Result:
+    if check and not result.ok:
+        raise CommandError(result)
+    return result
+
+
+@dataclass
+class SubprocessRunner:
+    """Runs commands for real. With dry_run, state-changing commands are only printed.
+
+    Read-only queries (`mutates=False`, e.g. `docker ps`) still run in dry-run
+    mode so that the printed plan reflects the real state of the machine.
+    """
+
+    dry_run: bool = False
+    echo: bool = False
+    out: TextIO = field(default_factory=lambda: sys.stdout)
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        capture: bool = True,
+        check: bool = False,
+        env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
+        input_text: str | None = None,
+        timeout: float | None = None,
+        mutates: bool = True,
+    ) -> Result:
+        argv = tuple(str(a) for a in argv)
+        if self.dry_run and mutates:
+            print(format_command(argv, cwd=cwd), file=self.out)
+            return Result(argv, 0)
+        if self.echo:
+            print(f"+ {shlex.join(argv)}", file=sys.stderr)
+        try:
+            proc = subprocess.run(
+                argv,
+                capture_output=capture,
+                text=True,
+                env=dict(env) if env is not None else None,
+                cwd=cwd,
+                input=input_text,
+                timeout=timeout,
+                check=False,
+            )
+        except FileNotFoundError:
+            return _check(Result(argv, 127, "", f"{argv[0]}: command not found"), check)
+        except subprocess.TimeoutExpired as exc:
+            out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+            return _check(Result(argv, 124, out, f"timed out after {timeout}s"), check)
+        return _check(Result(argv, proc.returncode, proc.stdout or "", proc.stderr or ""), check)
+
+
+Responder = Callable[[tuple[str, ...]], Result | None]
+
+
+@dataclass
+class RecordingRunner:
+    """Test double: records every argv and answers from canned responses.
+
+    `responses` maps an argv prefix to a Result (or a callable); the longest
+    matching prefix wins. Unmatched commands succeed with empty output.
+    """
+
+    dry_run: bool = False
+    calls: list[tuple[str, ...]] = field(default_factory=list)
+    envs: list[dict[str, str] | None] = field(default_factory=list)
+    responses: dict[tuple[str, ...], Result | Responder] = field(default_factory=dict)
+
+    def respond(self, prefix: Sequence[str], result: Result | Responder) -> None:
+        self.responses[tuple(prefix)] = result
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        capture: bool = True,
+        check: bool = False,
+        env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
+        input_text: str | None = None,
+        timeout: float | None = None,
+        mutates: bool = True,
+    ) -> Result:
+        key = tuple(str(a) for a in argv)
+        self.calls.append(key)
+        self.envs.append(dict(env) if env is not None else None)
+        best: tuple[str, ...] | None = None
+        for prefix in self.responses:
+            if key[: len(prefix)] == prefix and (best is None or len(prefix) > len(best)):
+                best = prefix
+        if best is None:
+            return Result(key, 0)
+        answer = self.responses[best]
+        result = answer(key) if callable(answer) else answer
+        if result is None:
+            result = Result(key, 0)
+        return _check(Result(key, result.returncode, result.stdout, result.stderr), check)
+
+    def commands(self) -> list[str]:
+        return [shlex.join(c) for c in self.calls]
+
+
+def format_command(argv: Sequence[str], *, cwd: Path | None = None) -> str:
+    """A shell line a user can paste: `cd DIR && cmd args`."""
+    line = shlex.join(argv)
+    return f"cd {shlex.quote(str(cwd))} && {line}" if cwd is not None else line
