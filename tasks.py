@@ -66,10 +66,10 @@ def config(
     c: Context,
     model: str | None = None,
     platform: str | None = None,
-    set: list[str] | None = None,  # noqa: A002 - the CLI flag is --set
+    set: list[str] | None = None,
     explain: bool = False,
     vllm_args: bool = False,
-    json: bool = False,  # noqa: A002 - the CLI flag is --json
+    json: bool = False,
 ) -> None:
     """Show the resolved settings; --explain shows where each came from; --vllm-args the argv."""
     from vllmstack import config_view
@@ -94,3 +94,30 @@ def test(c: Context, quick: bool = False, k: str | None = None) -> None:
     code = run_test_suite(_project(), _runner(False), quick=quick, keyword=k)
     if code:
         raise Exit(code=code)
+
+
+@task(
+    iterable=["set"],
+    help={**PROFILE_HELP, "deep": "also parse the argv with the pinned vLLM's own parser",
+          "verbose": "show info findings too"},
+)
+def check(
+    c: Context,
+    model: str | None = None,
+    platform: str | None = None,
+    set: list[str] | None = None,
+    json: bool = False,
+    deep: bool = False,
+    verbose: bool = False,
+) -> None:
+    """Report every problem found before boot, each with the key, the file that set it and a fix."""
+    from vllmstack import checks
+
+    resolved = _resolve(model, platform, set)
+    findings = checks.check_profile(_project(), resolved, os.environ, _runner(False), deep=deep)
+    if json:
+        _print_json(checks.report_json(resolved, findings))
+    else:
+        print(checks.render_report(resolved, findings, verbose=verbose))
+    if any(f.severity == "error" for f in findings):
+        raise Exit(code=1)

@@ -57,7 +57,7 @@ def test_unknown_selection_lists_what_exists(project: Project) -> None:
 def test_duplicate_key_in_one_file_is_an_error_with_both_lines(tmp_path: Path) -> None:
     path = tmp_path / "x.env"
     path.write_text("A=1\nB=2\nA=3\n")
-    lines, problems = read_env_file(path, "x.env")
+    _, problems = read_env_file(path, "x.env")
     assert [p.code for p in problems] == ["duplicate-key"]
     assert "lines 1 and 3" in problems[0].message and problems[0].source == "x.env:3"
 

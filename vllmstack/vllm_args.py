@@ -94,9 +94,9 @@ def build_serve_argv(
     if template:
         argv += ["--chat-template", f"{chat_template_dir}/{template}"]
     for key, flag in JSON_FLAGS:
-        value = _json_value(resolved, key)
-        if value is not None:
-            argv += [flag, json.dumps(value, separators=(",", ":"))]
+        parsed = _json_value(resolved, key)
+        if parsed is not None:
+            argv += [flag, json.dumps(parsed, separators=(",", ":"))]
 
     caching = resolved.get("VLLM_ENABLE_PREFIX_CACHING")
     if caching is not None and caching.strip() != "":
@@ -104,7 +104,7 @@ def build_serve_argv(
     if as_bool(resolved.get("VLLM_ENFORCE_EAGER")):
         argv.append("--enforce-eager")
 
-    spec = spec_config(resolved)
+    spec: dict[str, Any] | None = spec_config(resolved)
     if spec is not None:
         backend = (resolved.get("ATTENTION_BACKEND") or "").strip()
         if backend and "attention_backend" not in spec:

@@ -1,0 +1,262 @@
+"""One test per check rule: each fault class is caught before boot, with a fix."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from vllmstack.checks import run_checks
+from vllmstack.findings import Finding
+from vllmstack.paths import Project
+from vllmstack.profiles import list_profiles, resolve
+
+
+def check(project: Project, *sets: str, model: str = "qwen3.8-27b", platform: str = "2xr9700",
+          environ: dict[str, str] | None = None) -> list[Finding]:
+    resolved = resolve(project, model=model, platform=platform, overrides=list(sets))
+    findings, _ = run_checks(project, resolved, environ or {"HOME": "/nonexistent"})
+    return findings
+
+
+def by_code(findings: list[Finding], code: str) -> Finding:
+    hits = [f for f in findings if f.code == code]
+    assert hits, f"no {code} in {[f.code for f in findings]}"
+    return hits[0]
+
+
+def errors(findings: list[Finding]) -> list[str]:
+    return [f.code for f in findings if f.severity == "error"]
+
+
+@pytest.mark.parametrize(
+    ("model", "platform"),
+    [(p.name, plat) for p in list_profiles(Project(Path(__file__).resolve().parents[1]))
+     if p.kind == "model" for plat in p.platforms],
+)
+def test_every_shipped_profile_passes_on_its_intended_platforms(
+    shipped: Project, model: str, platform: str
+) -> None:
+    resolved = resolve(shipped, model=model, platform=platform)
+    findings, ctx = run_checks(shipped, resolved, {"HOME": "/nonexistent"})
+    assert errors(findings) == [], [f.render() for f in findings if f.severity == "error"]
+    assert [f.code for f in findings if f.severity == "warning"] == []
+    assert ctx.command is not None and ctx.command.argv[:2] == ["vllm", "serve"]
+
+
+def test_missing_required_value(project: Project) -> None:
+    f = by_code(check(project, "VLLM_SERVED_NAME="), "missing-required")
+    assert f.key == "VLLM_SERVED_NAME" and f.severity == "error" and f.source == "--set"
+
+
+def test_mtp_depth_too_deep_for_concurrency(project: Project) -> None:
+    findings = check(project, 'VLLM_SPEC_DECODE={"method": "mtp", "num_speculative_tokens": 3}')
+    f = by_code(findings, "mtp-depth-vs-seqs")
+    assert f.severity == "error" and "3 draft tokens" in f.message and "max_num_seqs=4" in f.message
+    assert f.fix is not None and '"num_speculative_tokens": 1' in f.fix
+    # Below the corruption threshold the same depth is fine.
+    ok = check(project, 'VLLM_SPEC_DECODE={"method": "mtp", "num_speculative_tokens": 3}',
+               "VLLM_MAX_NUM_SEQS=3")
+    assert "mtp-depth-vs-seqs" not in errors(ok)
+
+
+def test_mtp_gets_no_async_scheduling_and_says_so(project: Project) -> None:
+    findings = check(project)
+    note = by_code(findings, "spec-implies-no-async")
+    assert note.severity == "info" and note.key == "VLLM_SPEC_DECODE"
+    resolved = resolve(project, overrides=["VLLM_EXTRA_ARGS=--async-scheduling"])
+    findings, ctx = run_checks(project, resolved, {})
+    assert ctx.command is not None and "--async-scheduling" not in ctx.command.argv
+    assert "--no-async-scheduling" in ctx.command.argv
+    assert by_code(findings, "async-with-spec-removed").severity == "warning"
+
+
+def test_spec_config_without_token_count(project: Project) -> None:
+    f = by_code(check(project, 'VLLM_SPEC_DECODE={"method": "mtp"}'), "spec-missing-tokens")
+    assert f.severity == "error"
+
+
+def test_known_mamba_block_count_caps_max_num_seqs(project: Project) -> None:
+    f = by_code(check(project, "MAMBA_CACHE_BLOCKS=249", "VLLM_MAX_NUM_SEQS=256",
+                      'VLLM_SPEC_DECODE='), "mamba-blocks")
+    assert f.severity == "error" and "(249" in f.message and "VLLM_MAX_NUM_SEQS=249" in (f.fix or "")
+
+
+def test_estimated_mamba_blocks_warn(project: Project) -> None:
+    f = by_code(check(project, "VLLM_MAX_NUM_SEQS=4096", "VLLM_MAX_BATCHED_TOKENS=8192",
+                      "VLLM_SPEC_DECODE="), "mamba-blocks-estimate")
+    assert f.severity == "warning" and "MAMBA_CACHE_BLOCKS" in (f.fix or "")
+
+
+def test_hybrid_moe_needs_the_gdn_block_in_one_step(project: Project) -> None:
+    f = by_code(check(project, "VLLM_MAX_BATCHED_TOKENS=2048", model="qwen3.6-35b-a3b"),
+                "moe-gdn-block")
+    assert f.severity == "error" and "2112" in f.message
+    assert "moe-gdn-block" not in errors(check(project, "VLLM_MAX_BATCHED_TOKENS=2048"))
+
+
+def test_batched_tokens_below_max_num_seqs(project: Project) -> None:
+    f = by_code(check(project, "VLLM_MAX_BATCHED_TOKENS=2", model="qwen3-0.6b"),
+                "batched-below-seqs")
+    assert "must be greater than or equal to max_num_seqs (8)" in f.message
+
+
+def test_max_model_len_over_model_positions(project: Project) -> None:
+    f = by_code(check(project, "VLLM_MAX_MODEL_LEN=65536", model="qwen3-0.6b"),
+                "max-len-over-model")
+    assert f.severity == "error" and "40960" in f.message
+    allowed = check(project, "VLLM_MAX_MODEL_LEN=65536", "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1",
+                    model="qwen3-0.6b")
+    assert by_code(allowed, "max-len-over-model").severity == "warning"
+
+
+def test_more_tensor_parallel_than_gpus(project: Project) -> None:
+    f = by_code(check(project, "VLLM_TP=4"), "tp-over-gpus")
+    assert f.severity == "error" and "has 2" in f.message
+    assert f.fix == "set VLLM_TP=2, or use a platform with 4 GPUs"
+    g = by_code(check(project, "HIP_VISIBLE_DEVICES=0"), "tp-over-visible")
+    assert "exposes 1 GPU" in g.message
+
+
+def test_tensor_parallel_must_divide_heads(project: Project) -> None:
+    f = by_code(check(project, "GPU_COUNT=8", "VLLM_TP=5", "HIP_VISIBLE_DEVICES=0,1,2,3,4"),
+                "tp-heads")
+    assert "(24)" in f.message
+
+
+def test_model_that_cannot_fit_gets_numbers(project: Project) -> None:
+    f = by_code(check(project, platform="r9700", model="qwen3.6-27b"), "weights-do-not-fit")
+    assert "29.5 GiB" in f.message and "short" in f.message
+    g = by_code(check(project, "VLLM_MAX_MODEL_LEN=262144", "VLLM_GPU_MEM_UTIL=0.7",
+                      "VLLM_KV_CACHE_DTYPE=bfloat16", model="qwen3.6-27b"), "kv-does-not-fit")
+    assert "needs" in g.message and "VLLM_MAX_MODEL_LEN=" in (g.fix or "")
+    # The suggested length really fits.
+    suggested = (g.fix or "").split("VLLM_MAX_MODEL_LEN=")[1].split()[0]
+    fine = check(project, f"VLLM_MAX_MODEL_LEN={suggested}", "VLLM_GPU_MEM_UTIL=0.7",
+                 "VLLM_KV_CACHE_DTYPE=bfloat16", model="qwen3.6-27b")
+    assert "kv-does-not-fit" not in errors(fine)
+
+
+def test_empty_hsa_override_hides_gpus(project: Project) -> None:
+    f = by_code(check(project, "HSA_OVERRIDE_GFX_VERSION="), "hsa-override-empty")
+    assert f.severity == "error" and f.source == "--set"
+
+
+def test_hsa_override_where_it_must_not_be(project: Project) -> None:
+    f = by_code(check(project, "HSA_OVERRIDE_GFX_VERSION=12.0.1"), "hsa-override-unneeded")
+    assert f.severity == "warning"
+
+
+def test_arch_without_kernels_needs_an_override(project: Project) -> None:
+    f = by_code(check(project, "GPU_ARCH=gfx1102", platform="rdna3", model="qwen3-0.6b"),
+                "hsa-override-missing")
+    assert "11.0.0" in (f.fix or "")
+    ok = check(project, "GPU_ARCH=gfx1102", "HSA_OVERRIDE_GFX_VERSION=11.0.0", platform="rdna3",
+               model="qwen3-0.6b")
+    assert not [x for x in ok if x.code.startswith("hsa-")]
+
+
+def test_aiter_on_an_arch_without_it(project: Project) -> None:
+    f = by_code(check(project, "ATTENTION_BACKEND=ROCM_AITER_UNIFIED_ATTN", platform="strix-halo",
+                      model="qwen3-0.6b"), "aiter-backend-unsupported")
+    assert f.severity == "error" and "gfx1151" in f.message
+    g = by_code(check(project, "VLLM_ROCM_USE_AITER=1", platform="rdna3", model="qwen3-0.6b"),
+                "aiter-no-effect")
+    assert g.severity == "warning"
+
+
+def test_pins_ref_and_version_disagree(project: Project) -> None:
+    f = by_code(check(project, "VLLM_REF=v0.32.0"), "pin-vllm-mismatch")
+    assert f.fix == "set VLLM_VERSION=0.32.0 (bump both together)"
+    # A branch or commit ref cannot be compared and is fine.
+    assert "pin-vllm-mismatch" not in errors(check(project, "VLLM_REF=main"))
+
+
+def test_pins_torch_and_rocm_suffixes_disagree(project: Project) -> None:
+    f = by_code(check(project, "TORCH_VERSION=2.13.0+rocm10.0.0"), "pin-rocm-mismatch")
+    assert "ROCm 10.0.0" in f.message and f.key == "TORCH_VERSION"
+    g = by_code(check(project, "TORCHAUDIO_VERSION=2.11.0+rocm7.2"), "pin-rocm-mismatch")
+    assert g.key == "TORCHAUDIO_VERSION"
+
+
+def test_empty_required_pin(project: Project) -> None:
+    f = by_code(check(project, "FLYDSL_VERSION="), "pin-empty")
+    assert f.key == "FLYDSL_VERSION" and f.severity == "error"
+    # A prebuilt image needs no build pins.
+    assert "pin-empty" not in errors(check(project, "FLYDSL_VERSION=", platform="nvidia",
+                                           model="qwen3-0.6b"))
+
+
+def test_missing_files_referenced(project: Project, tmp_path: Path) -> None:
+    models = tmp_path / "models"
+    models.mkdir()
+    findings = check(project, f"MODELS_DIR={models}", f"VLLM_MODEL={models}/nope",
+                     "VLLM_CHAT_TEMPLATE=qwen-missing.jinja", f"VLLM_HF_CONFIG_PATH={models}/cfg")
+    assert by_code(findings, "missing-model-dir").key == "VLLM_MODEL"
+    assert by_code(findings, "missing-chat-template").key == "VLLM_CHAT_TEMPLATE"
+    assert by_code(findings, "missing-hf-config").key == "VLLM_HF_CONFIG_PATH"
+
+
+def test_local_model_outside_models_dir_is_not_visible_in_the_container(
+    project: Project, tmp_path: Path
+) -> None:
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    f = by_code(check(project, f"VLLM_MODEL={model}"), "path-not-mounted")
+    assert "MODELS_DIR" in (f.fix or "")
+    ok = check(project, f"VLLM_MODEL={model}", f"MODELS_DIR={tmp_path}")
+    assert "path-not-mounted" not in errors(ok)
+
+
+def test_config_json_in_hf_cache_overrides_profile_geometry(project: Project, tmp_path: Path) -> None:
+    snap = tmp_path / "hub/models--Qwen--Qwen3-0.6B/snapshots/abc"
+    snap.mkdir(parents=True)
+    (tmp_path / "hub/models--Qwen--Qwen3-0.6B/refs").mkdir()
+    (tmp_path / "hub/models--Qwen--Qwen3-0.6B/refs/main").write_text("abc")
+    (snap / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+        "head_dim": 128, "hidden_size": 1024, "max_position_embeddings": 8192}))
+    findings = check(project, "VLLM_MAX_MODEL_LEN=16384", model="qwen3-0.6b",
+                     environ={"HF_HOME": str(tmp_path)})
+    f = by_code(findings, "max-len-over-model")
+    assert "8192" in f.message and "config.json" in f.message
+
+
+def test_tuned_moe_file_for_another_tp(project: Project) -> None:
+    name = "E=256,N=512,device_name=AMD_Radeon_R9700,dtype=fp8_w8a8,block_shape=[128,128].json"
+    (project.root / "fused_moe_configs").mkdir(exist_ok=True)
+    (project.root / "fused_moe_configs" / name).write_text('{"1": {}}')
+    f = by_code(check(project, model="qwen3.6-35b-a3b"), "tuned-wrong-tp")
+    assert "N=256" in f.message and "TP=1" in f.message
+    good = name.replace("N=512", "N=256")
+    (project.root / "fused_moe_configs" / name).rename(project.root / "fused_moe_configs" / good)
+    assert "tuned-wrong-tp" not in [x.code for x in check(project, model="qwen3.6-35b-a3b")]
+
+
+def test_tuned_dense_file_problems(project: Project) -> None:
+    folder = project.root / "fp8_configs"
+    folder.mkdir(exist_ok=True)
+    tail = ",device_name=AMD_Radeon_R9700,dtype=fp8_w8a8,block_shape=[128,128].json"
+    (folder / f"N=34816,K=5120{tail}").write_text('{"1": {}}')  # gate_up at TP1
+    (folder / f"N=5120,K=8704{tail}").write_text('{"triton_version": "3.6", "1": {}}')
+    (folder / "N=5120,K=8704,device_name=AMD_Radeon_RX7900XTX,dtype=fp8_w8a8,"
+              "block_shape=[128,128].json").write_text("{}")
+    (folder / "tuned.json").write_text("{}")
+    findings = check(project)
+    assert "TP=1" in by_code(findings, "tuned-wrong-tp").message
+    assert by_code(findings, "tuned-triton-version").severity == "error"
+    assert by_code(findings, "tuned-other-device").severity == "warning"
+    assert by_code(findings, "tuned-bad-name").source == "fp8_configs/tuned.json"
+
+
+def test_profile_on_a_platform_it_is_not_made_for(project: Project) -> None:
+    f = by_code(check(project, platform="rdna3", model="qwen3.6-35b-a3b"), "untested-platform")
+    assert f.severity == "warning"
+
+
+def test_dotenv_override_of_a_profile_value_is_explained(project: Project) -> None:
+    project.dotenv.write_text((project.root / ".env.example").read_text() + "VLLM_MAX_NUM_SEQS=3\n")
+    f = by_code(check(project), "dotenv-override")
+    assert "'3'" in f.message and "env/models/qwen3.8-27b.env" in f.message

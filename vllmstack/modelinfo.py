@@ -1,0 +1,251 @@
+"""Model facts for checks: from config.json when the model is on disk, else from the profile.
+
+Nothing is downloaded. A model is "on disk" when VLLM_MODEL is a local folder, or when its
+Hugging Face id (VLLM_MODEL_ID, else VLLM_MODEL) has a snapshot in the local HF cache.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vllmstack.paths import home_dir
+from vllmstack.profiles import Resolved
+
+GIB = 1024**3
+MIB = 1024**2
+# Profile keys that carry geometry, and the ModelFacts field each fills.
+PROFILE_FACTS = {
+    "MODEL_KIND": "kind",
+    "MODEL_NUM_LAYERS": "num_layers",
+    "MODEL_FULL_ATTENTION_LAYERS": "full_attention_layers",
+    "MODEL_NUM_ATTENTION_HEADS": "num_attention_heads",
+    "MODEL_NUM_KV_HEADS": "num_kv_heads",
+    "MODEL_HEAD_DIM": "head_dim",
+    "MODEL_HIDDEN_SIZE": "hidden_size",
+    "MODEL_INTERMEDIATE_SIZE": "intermediate_size",
+    "MODEL_NUM_EXPERTS": "num_experts",
+    "MODEL_MOE_INTERMEDIATE_SIZE": "moe_intermediate_size",
+    "MODEL_MAX_POSITION_EMBEDDINGS": "max_position_embeddings",
+    "MODEL_WEIGHT_GIB": "weight_gib",
+    "MODEL_MAMBA_STATE_MIB": "mamba_state_mib",
+    "MODEL_QUANT": "quant",
+}
+
+
+@dataclass
+class ModelFacts:
+    kind: str | None = None
+    num_layers: int | None = None
+    full_attention_layers: int | None = None
+    num_attention_heads: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+    num_experts: int | None = None
+    moe_intermediate_size: int | None = None
+    max_position_embeddings: int | None = None
+    weight_gib: float | None = None
+    mamba_state_mib: float | None = None
+    quant: str | None = None
+    # field -> where it came from ("config.json at PATH" or "MODEL_X @ file:line")
+    sources: dict[str, str] = field(default_factory=dict)
+    model_dir: Path | None = None
+
+    @property
+    def is_hybrid(self) -> bool:
+        return bool(self.kind and self.kind.startswith("hybrid"))
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.num_experts) or (self.kind or "").endswith("moe")
+
+
+def hf_hub_dir(environ: Mapping[str, str], hf_cache_setting: str | None = None) -> Path:
+    """The hub folder of the local Hugging Face cache, as huggingface_hub would pick it."""
+    if environ.get("HF_HUB_CACHE"):
+        return Path(environ["HF_HUB_CACHE"])
+    if environ.get("HF_HOME"):
+        return Path(environ["HF_HOME"]) / "hub"
+    if hf_cache_setting:
+        return Path(hf_cache_setting).expanduser() / "hub"
+    return home_dir(environ) / ".cache" / "huggingface" / "hub"
+
+
+def is_local_path(name: str) -> bool:
+    return name.startswith(("/", "./", "../", "~"))
+
+
+def locate_model_dir(
+    name: str, environ: Mapping[str, str], hf_cache_setting: str | None = None
+) -> Path | None:
+    """A local folder for `name` (a path, or an HF id with a snapshot in the cache), else None."""
+    if not name:
+        return None
+    if is_local_path(name):
+        path = Path(name).expanduser()
+        return path if path.is_dir() else None
+    repo = hf_hub_dir(environ, hf_cache_setting) / ("models--" + name.replace("/", "--"))
+    snapshots = repo / "snapshots"
+    if not snapshots.is_dir():
+        return None
+    ref = repo / "refs" / "main"
+    if ref.is_file():
+        pinned = snapshots / ref.read_text().strip()
+        if pinned.is_dir():
+            return pinned
+    candidates = sorted(snapshots.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)
+    return candidates[0] if candidates else None
+
+
+def _text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """Multimodal checkpoints nest the language model's geometry under text_config."""
+    inner = config.get("text_config")
+    return {**config, **inner} if isinstance(inner, dict) else config
+
+
+def facts_from_config(config: dict[str, Any]) -> dict[str, Any]:
+    """Geometry from a Hugging Face config.json (dense, MoE, and GDN/Mamba hybrids)."""
+    cfg = _text_config(config)
+    out: dict[str, Any] = {}
+    layers = cfg.get("num_hidden_layers")
+    heads = cfg.get("num_attention_heads")
+    hidden = cfg.get("hidden_size")
+    out["num_layers"] = layers
+    out["num_attention_heads"] = heads
+    out["num_kv_heads"] = cfg.get("num_key_value_heads", heads)
+    out["hidden_size"] = hidden
+    head_dim = cfg.get("head_dim")
+    if head_dim is None and hidden and heads:
+        head_dim = hidden // heads
+    out["head_dim"] = head_dim
+    out["intermediate_size"] = cfg.get("intermediate_size")
+    experts = cfg.get("num_experts") or cfg.get("n_routed_experts") or cfg.get("num_local_experts")
+    out["num_experts"] = experts or 0
+    out["moe_intermediate_size"] = cfg.get("moe_intermediate_size") or 0
+    max_pos = cfg.get("max_position_embeddings")
+    out["max_position_embeddings"] = max_pos
+
+    layer_types = cfg.get("layer_types")
+    interval = cfg.get("full_attention_interval")
+    full = layers
+    if isinstance(layer_types, list) and layer_types:
+        full = sum(1 for t in layer_types if t in ("full_attention", "attention"))
+    elif interval and layers:
+        full = layers // int(interval)
+    out["full_attention_layers"] = full
+    linear_layers = (layers or 0) - (full or 0)
+    hybrid = linear_layers > 0 and "linear_num_value_heads" in cfg
+    if hybrid:
+        k_heads, v_heads = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+        k_dim, v_dim = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+        kernel = cfg.get("linear_conv_kernel_dim", 4)
+        conv_dim = k_dim * k_heads * 2 + v_dim * v_heads
+        # Qwen3.5-style checkpoints keep the recurrent state in fp32 (mamba_ssm_dtype).
+        ssm_bytes = 4 if str(cfg.get("mamba_ssm_dtype", "float32")) == "float32" else 2
+        per_layer = conv_dim * (kernel - 1) * 2 + v_heads * v_dim * k_dim * ssm_bytes
+        out["mamba_state_mib"] = round(per_layer * linear_layers / MIB, 1)
+    out["kind"] = ("hybrid" if hybrid else "dense") + ("-moe" if hybrid and experts else "")
+    if not hybrid and experts:
+        out["kind"] = "moe"
+    quant = cfg.get("quantization_config") or config.get("quantization_config")
+    if isinstance(quant, dict):
+        method = str(quant.get("quant_method", "")).lower()
+        out["quant"] = {"fp8": "fp8", "awq": "awq", "gptq": "gptq"}.get(method, method)
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def weight_gib_on_disk(model_dir: Path) -> float | None:
+    files = list(model_dir.glob("*.safetensors")) or list(model_dir.glob("*.bin"))
+    if not files:
+        return None
+    return sum(f.resolve().stat().st_size for f in files) / GIB
+
+
+def load_model_facts(resolved: Resolved, environ: Mapping[str, str]) -> ModelFacts:
+    """Profile geometry first, then config.json (when on disk) wins field by field."""
+    facts = ModelFacts()
+    for key, attr in PROFILE_FACTS.items():
+        raw = resolved.get(key)
+        if raw is None or raw == "":
+            continue
+        value: Any = raw
+        try:
+            if attr in ("weight_gib", "mamba_state_mib"):
+                value = float(raw)
+            elif attr not in ("kind", "quant"):
+                value = int(raw)
+        except ValueError:
+            continue  # a bad value is reported by the schema check
+        setattr(facts, attr, value)
+        facts.sources[attr] = f"{key} @ {resolved.source(key)}"
+
+    name = resolved.get("VLLM_MODEL") or ""
+    hf_cache = resolved.get("HF_CACHE_DIR")
+    model_dir = locate_model_dir(name, environ, hf_cache)
+    if model_dir is None and resolved.get("VLLM_MODEL_ID"):
+        model_dir = locate_model_dir(resolved.get("VLLM_MODEL_ID") or "", environ, hf_cache)
+    override = resolved.get("VLLM_HF_CONFIG_PATH") or ""
+    config_dir = Path(override).expanduser() if override else model_dir
+    facts.model_dir = model_dir
+    config_path = config_dir / "config.json" if config_dir else None
+    if config_path is not None and config_path.is_file():
+        try:
+            config = json.loads(config_path.read_text())
+        except (OSError, json.JSONDecodeError):
+            config = None
+        if isinstance(config, dict):
+            for attr, value in facts_from_config(config).items():
+                setattr(facts, attr, value)
+                facts.sources[attr] = f"config.json at {config_path}"
+    if model_dir is not None:
+        size = weight_gib_on_disk(model_dir)
+        if size:
+            facts.weight_gib = round(size, 2)
+            facts.sources["weight_gib"] = f"weights on disk at {model_dir}"
+    return facts
+
+
+def kv_bytes_per_token_per_gpu(facts: ModelFacts, tp: int, kv_dtype: str) -> int | None:
+    """KV cache bytes one token takes on one GPU (full-attention layers only)."""
+    if not (facts.full_attention_layers and facts.num_kv_heads and facts.head_dim):
+        return None
+    per_rank = max(1, facts.num_kv_heads // tp)
+    return facts.full_attention_layers * per_rank * facts.head_dim * 2 * dtype_bytes(kv_dtype)
+
+
+def dtype_bytes(kv_dtype: str) -> int:
+    return 1 if kv_dtype.startswith("fp8") else 2
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def estimate_mamba_blocks(
+    facts: ModelFacts, tp: int, kv_dtype: str, kv_available_bytes: float
+) -> int | None:
+    """Rough block count of a hybrid model's shared KV/Mamba pool (vLLM's page alignment).
+
+    The attention block size grows until an attention page holds a Mamba page; layers are
+    grouped by the smaller layer-type count; one block spans every layer of a group.
+    """
+    if not (facts.is_hybrid and facts.mamba_state_mib and facts.num_layers
+            and facts.full_attention_layers and facts.num_kv_heads and facts.head_dim):
+        return None
+    linear_layers = facts.num_layers - facts.full_attention_layers
+    if linear_layers <= 0:
+        return None
+    mamba_page = facts.mamba_state_mib * MIB / linear_layers / tp
+    per_token = max(1, facts.num_kv_heads // tp) * facts.head_dim * 2 * dtype_bytes(kv_dtype)
+    align = 16
+    block_tokens = align * math.ceil(mamba_page / (align * per_token))
+    page = block_tokens * per_token
+    group_size = min(facts.full_attention_layers, linear_layers)
+    bytes_per_block = group_size * page
+    return int(kv_available_bytes // bytes_per_block) if bytes_per_block else None
