@@ -121,3 +121,39 @@ def check(
         print(checks.render_report(resolved, findings, verbose=verbose))
     if any(f.severity == "error" for f in findings):
         raise Exit(code=1)
+
+
+# --- dashboard ---------------------------------------------------------------------------
+
+@task(iterable=["set"], help={
+    **PROFILE_HELP,
+    "host": "address to listen on (default: DASHBOARD_BIND, else 127.0.0.1)",
+    "port": "port (default: DASHBOARD_PORT)",
+    "engine_url": "engine base URL (default: http://127.0.0.1:VLLM_PORT); any engine works",
+    "tokenizer": "tokenizer for runs started from the page (default: VLLM_TOKENIZER)",
+})
+def dashboard(c: Context, host: str | None = None, port: str | None = None,
+              engine_url: str | None = None, tokenizer: str | None = None,
+              model: str | None = None, platform: str | None = None,
+              set: list[str] | None = None) -> None:
+    """Serve the dashboard in the foreground (development, or against any engine URL)."""
+    from vllmstack.dashboard.__main__ import run, settings_from_profile
+
+    project = _project()
+    try:
+        values = resolve(project, platform=platform, model=model, overrides=set or [],
+                         environ=os.environ).as_env()
+    except ProfileError as exc:
+        if engine_url is None:
+            raise Exit(f"error: {exc}", code=1) from exc
+        print(f"note: no profile ({exc}); using defaults", file=sys.stderr)
+        values = {}
+    try:
+        port_number = int(port) if port else None  # invoke hands over the flag's text
+    except ValueError as exc:
+        raise Exit(f"error: --port must be a number, got {port!r}", code=1) from exc
+    settings = settings_from_profile(values, project.benchmarks, host=host, port=port_number,
+                                     engine_url=engine_url, tokenizer=tokenizer)
+    code = run(settings, os.environ)
+    if code:
+        raise Exit(code=code)
