@@ -501,3 +501,17 @@ def test_entry_point_refuses_exposed_without_token(
     err = capsys.readouterr().err
     assert "error:" in err and "DASHBOARD_TOKEN" in err and "Traceback" not in err
     assert not os.environ.get("DASHBOARD_TOKEN")
+
+
+def test_settings_from_profile(tmp_path: Path) -> None:
+    from vllmstack.dashboard.__main__ import settings_from_profile
+
+    values = {"VLLM_PORT": "8180", "DASHBOARD_PORT": "8090", "DASHBOARD_BIND": "127.0.0.1",
+              "DASHBOARD_TOKEN": "", "VLLM_TOKENIZER": "/models/tok"}
+    s = settings_from_profile(values, tmp_path)
+    assert (s.engine_url, s.host, s.port, s.tokenizer) == ("http://127.0.0.1:8180", "127.0.0.1",
+                                                           8090, "/models/tok")
+    assert s.auth_required is False
+    # Another engine: the profile's tokenizer may not fit it, so only --tokenizer counts.
+    other = settings_from_profile(values, tmp_path, engine_url="http://gpu-box:8000", port=9)
+    assert (other.engine_url, other.port, other.tokenizer) == ("http://gpu-box:8000", 9, None)

@@ -67,10 +67,35 @@ def serve(settings: DashboardSettings, environ: Mapping[str, str]) -> None:
                 access_log=False)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    environ = dict(os.environ)
+def settings_from_profile(
+    values: Mapping[str, str],
+    history_dir: Path,
+    *,
+    host: str | None = None,
+    port: int | None = None,
+    engine_url: str | None = None,
+    tokenizer: str | None = None,
+) -> DashboardSettings:
+    """Settings for `invoke dashboard`: the resolved profile's values, then the task's flags.
+
+    Against the profile's own engine the tokenizer comes from VLLM_TOKENIZER; against another
+    engine URL only --tokenizer counts (the profile's tokenizer may belong to another model).
+    """
+    if tokenizer is None and engine_url is None:
+        tokenizer = values.get("VLLM_TOKENIZER") or None
+    return DashboardSettings(
+        engine_url=engine_url or f"http://127.0.0.1:{values.get('VLLM_PORT') or 8180}",
+        history_dir=history_dir,
+        host=host or values.get("DASHBOARD_BIND") or "127.0.0.1",
+        port=port or int(values.get("DASHBOARD_PORT") or 8083),
+        token=values.get("DASHBOARD_TOKEN") or "",
+        tokenizer=tokenizer,
+    )
+
+
+def run(settings: DashboardSettings, environ: Mapping[str, str]) -> int:
+    """Validate, then serve in the foreground; 2 with a clear message for unusable settings."""
     try:
-        settings = parse_settings(sys.argv[1:] if argv is None else argv, environ)
         settings.validate()
     except DashboardError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -78,6 +103,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings.history_dir.mkdir(parents=True, exist_ok=True)
     serve(settings, environ)
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    environ = dict(os.environ)
+    return run(parse_settings(sys.argv[1:] if argv is None else argv, environ), environ)
 
 
 if __name__ == "__main__":

@@ -110,7 +110,8 @@ class DashboardSettings:
                 f"the dashboard would listen on {self.exposed_on}, reachable from other machines, "
                 "without a token; set DASHBOARD_TOKEN in .env (any long random string, e.g. "
                 "`python -c 'import secrets; print(secrets.token_urlsafe(24))'`) or bind it to "
-                "127.0.0.1 (DASHBOARD_BIND)"
+                "127.0.0.1 (DASHBOARD_BIND; in a container that binds 0.0.0.0 behind a loopback "
+                "port, pass that address with --exposure)"
             )
         if self.poll_interval <= 0:
             raise DashboardError(f"poll interval must be positive, got {self.poll_interval}")
