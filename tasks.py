@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 from typing import Any
 
@@ -21,8 +22,8 @@ PROFILE_HELP = {
     "model": "model profile (env/models/NAME.env); default: MODEL_PROFILE in .env",
     "platform": "platform layer (env/platforms/NAME.env); default: PLATFORM in .env",
     "set": "KEY=VALUE override, repeatable; applied last",
-    "json": "print JSON instead of text",
 }
+JSON_HELP = {"json": "print JSON instead of text"}
 
 
 def _project() -> Project:
@@ -59,7 +60,7 @@ def profiles(c: Context) -> None:
 
 @task(
     iterable=["set"],
-    help={**PROFILE_HELP, "explain": "show which layer set each value",
+    help={**PROFILE_HELP, **JSON_HELP, "explain": "show which layer set each value",
           "vllm_args": "print the exact vllm serve argv"},
 )
 def config(
@@ -98,7 +99,7 @@ def test(c: Context, quick: bool = False, k: str | None = None) -> None:
 
 @task(
     iterable=["set"],
-    help={**PROFILE_HELP, "deep": "also parse the argv with the pinned vLLM's own parser",
+    help={**PROFILE_HELP, **JSON_HELP, "deep": "also parse the argv with the pinned vLLM's own parser",
           "verbose": "show info findings too"},
 )
 def check(
@@ -121,6 +122,130 @@ def check(
         print(checks.render_report(resolved, findings, verbose=verbose))
     if any(f.severity == "error" for f in findings):
         raise Exit(code=1)
+
+
+# --- serving lifecycle ---------------------------------------------------------------------
+
+LIFECYCLE_HELP = {
+    **PROFILE_HELP,
+    "runtime": "compose | compose-v1 | podman | native (default: RUNTIME, else auto-detect)",
+    "dry_run": "print the commands instead of running them",
+}
+
+
+def _stack(model: str | None, platform: str | None, sets: list[str] | None, runtime: str | None,
+           dry_run: bool = False) -> Any:
+    from vllmstack import lifecycle
+
+    resolved = _resolve(model, platform, sets)
+    try:
+        return lifecycle.open_stack(_project(), resolved, os.environ, _runner(dry_run),
+                                    runtime=runtime)
+    except lifecycle.LifecycleError as exc:
+        raise Exit(exc.render(), code=1) from exc
+
+
+def _lifecycle_call(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    from vllmstack import lifecycle
+
+    try:
+        return fn(*args, **kwargs)
+    except lifecycle.LifecycleError as exc:
+        sys.stdout.flush()
+        raise Exit(exc.render(), code=1) from exc
+
+
+@task(iterable=["set"], help={**LIFECYCLE_HELP, "timeout": "seconds to wait for /health",
+                              "force": "start even when a guard refuses (loudly)",
+                              "no_dashboard": "do not start the dashboard service"})
+def up(c: Context, model: str | None = None, platform: str | None = None,
+       set: list[str] | None = None, runtime: str | None = None,
+       timeout: float | None = None, force: bool = False, no_dashboard: bool = False,
+       dry_run: bool = False) -> None:
+    """Guards, render, start, wait for /health (diagnosing a crash at once), warm up, dashboard."""
+    from vllmstack import lifecycle
+
+    stack = _stack(model, platform, set, runtime, dry_run)
+    result = _lifecycle_call(lifecycle.up, stack, timeout=timeout, force=force,
+                             dashboard=not no_dashboard, dry_run=dry_run)
+    if not dry_run:
+        print(f"ready: {result.served_name} at {result.url}/v1")
+
+
+@task(iterable=["set"], help={**LIFECYCLE_HELP, "timeout": "seconds to wait for GPU memory release"})
+def down(c: Context, model: str | None = None, platform: str | None = None,
+         set: list[str] | None = None, runtime: str | None = None,
+         timeout: float = 120.0, dry_run: bool = False) -> None:
+    """Stop everything the stack started and wait until GPU memory is released."""
+    from vllmstack import lifecycle
+
+    stack = _stack(model, platform, set, runtime, dry_run)
+    _lifecycle_call(lifecycle.down, stack, timeout=timeout, dry_run=dry_run)
+
+
+@task(iterable=["set"], help={**PROFILE_HELP, **JSON_HELP, "runtime": LIFECYCLE_HELP["runtime"]})
+def status(c: Context, model: str | None = None, platform: str | None = None,
+           set: list[str] | None = None, runtime: str | None = None,
+           json: bool = False) -> None:
+    """Containers (or processes), health, served model and KV cache usage."""
+    from vllmstack import lifecycle
+
+    stack = _stack(model, platform, set, runtime)
+    report = _lifecycle_call(lifecycle.status, stack)
+    if json:
+        _print_json(report)
+    else:
+        print(lifecycle.render_status(report))
+
+
+@task(iterable=["set"], help={**PROFILE_HELP, "runtime": LIFECYCLE_HELP["runtime"],
+                              "follow": "keep following (default)",
+                              "tail": "lines of history to show", "service": "vllm or dashboard"})
+def logs(c: Context, model: str | None = None, platform: str | None = None,
+         set: list[str] | None = None, runtime: str | None = None,
+         follow: bool = True, tail: int = 200, service: str = "vllm") -> None:
+    """Follow the engine log."""
+    from vllmstack import lifecycle
+
+    stack = _stack(model, platform, set, runtime)
+    raise Exit(code=_lifecycle_call(lifecycle.logs, stack, follow=follow, tail=tail,
+                                    service=service))
+
+
+@task(name="exec", help={"runtime": LIFECYCLE_HELP["runtime"]})
+def exec_(c: Context, runtime: str | None = None) -> None:
+    """Run a command in the engine container, the image's Python first on PATH: invoke exec -- CMD."""
+    from vllmstack import lifecycle
+
+    command = _remainder() or shlex.split(c.remainder)
+    stack = _stack(None, None, None, runtime)
+    raise Exit(code=_lifecycle_call(lifecycle.exec_in_engine, stack, command,
+                                    tty=sys.stdin.isatty()))
+
+
+def _remainder() -> list[str]:
+    """Words after `--`, as given (invoke's own remainder is one string, which loses quoting)."""
+    argv = sys.argv
+    return argv[argv.index("--") + 1:] if "--" in argv else []
+
+
+@task(iterable=["set"], help={**PROFILE_HELP, "runtime": LIFECYCLE_HELP["runtime"]})
+def dashboard_up(c: Context, model: str | None = None, platform: str | None = None,
+                 set: list[str] | None = None, runtime: str | None = None) -> None:
+    """Start the dashboard service alone (against the running engine)."""
+    from vllmstack import lifecycle
+
+    stack = _stack(model, platform, set, runtime)
+    _lifecycle_call(lifecycle.dashboard_up, stack)
+
+
+@task(help={"runtime": LIFECYCLE_HELP["runtime"]})
+def dashboard_down(c: Context, runtime: str | None = None) -> None:
+    """Stop the dashboard service."""
+    from vllmstack import lifecycle
+
+    stack = _stack(None, None, None, runtime)
+    _lifecycle_call(lifecycle.dashboard_down, stack)
 
 
 # --- dashboard ---------------------------------------------------------------------------

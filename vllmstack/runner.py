@@ -56,6 +56,7 @@ class Runner(Protocol):
         input_text: str | None = None,
         timeout: float | None = None,
         mutates: bool = True,
+        merge_output: bool = False,
     ) -> Result: ...
 
 
@@ -88,6 +89,7 @@ class SubprocessRunner:
         input_text: str | None = None,
         timeout: float | None = None,
         mutates: bool = True,
+        merge_output: bool = False,
     ) -> Result:
         argv = tuple(str(a) for a in argv)
         if self.dry_run and mutates:
@@ -98,8 +100,11 @@ class SubprocessRunner:
         try:
             proc = subprocess.run(
                 argv,
-                capture_output=capture,
+                stdout=subprocess.PIPE if capture else None,
+                # Merged keeps the order of interleaved lines (container logs).
+                stderr=(subprocess.STDOUT if merge_output else subprocess.PIPE) if capture else None,
                 text=True,
+                errors="replace",
                 env=dict(env) if env is not None else None,
                 cwd=cwd,
                 input=input_text,
@@ -144,6 +149,7 @@ class RecordingRunner:
         input_text: str | None = None,
         timeout: float | None = None,
         mutates: bool = True,
+        merge_output: bool = False,
     ) -> Result:
         key = tuple(str(a) for a in argv)
         self.calls.append(key)
