@@ -1,5 +1,167 @@
 #!/usr/bin/env bash
-# Bring up what the integration tests need, idempotently: Docker engine, local base
-# image, Chromium. Safe to run again; does nothing that is already done.
+# Bring up what the integration tests need, idempotently: Docker engine, local base image,
+# engine-simulator image, Chromium. Safe to run again; does nothing that is already done.
+# Works on a fresh Debian bookworm machine as root with only the Debian/PyPI/npm registries
+# reachable (no container registry: the base image is made with debootstrap + docker import).
+#
+# Settings (environment; the defaults are what `invoke test` uses):
+#   DOCKER_HOST                 engine socket; when it names a unix socket, dockerd is started on it
+#   VLLMSTACK_DOCKERD_ARGS      extra dockerd arguments (e.g. --data-root for a throwaway engine;
+#                               never --bridge=none next to another engine: dockerd then deletes
+#                               the shared docker0 interface)
+#   VLLMSTACK_DOCKERD_LOG       dockerd log file (default /tmp/vllmstack-dockerd.log)
+#   VLLMSTACK_DOCKERD_TIMEOUT   seconds to wait for `docker info` (default 60)
+#   VLLMSTACK_BASE_IMAGE        base image tag (default vllmstack/base:bookworm)
+#   VLLMSTACK_SIM_IMAGE         simulator image tag (default vllmstack/engine-sim:latest)
+#   VLLMSTACK_DEBIAN_MIRROR     debootstrap mirror (default: the one apt already uses)
+#   VLLMSTACK_SKIP_CHROMIUM=1   do not install chromium
 set -euo pipefail
-echo "test-env: nothing to provision yet"
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# Debian's client: a newer client may come first on PATH without buildx, while Debian's 20.10
+# client has BuildKit built in (DOCKER_BUILDKIT=1).
+DOCKER=/usr/bin/docker
+BASE_IMAGE=${VLLMSTACK_BASE_IMAGE:-vllmstack/base:bookworm}
+SIM_IMAGE=${VLLMSTACK_SIM_IMAGE:-vllmstack/engine-sim:latest}
+DOCKERD_LOG=${VLLMSTACK_DOCKERD_LOG:-/tmp/vllmstack-dockerd.log}
+DOCKERD_TIMEOUT=${VLLMSTACK_DOCKERD_TIMEOUT:-60}
+BASE_PACKAGES=python3,python3-pip,python3-venv,git,patch,ca-certificates,procps
+
+STEP=start
+step() { STEP=$1; shift; echo "test-env: [$STEP] $*"; }
+fail() { echo "test-env: FAILED at step '$STEP': $*" >&2; exit 1; }
+trap 'fail "command failed (exit $?): $BASH_COMMAND"' ERR
+
+APT_UPDATED=0
+is_installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
+apt_install() {
+    local missing=() pkg
+    for pkg in "$@"; do is_installed "$pkg" || missing+=("$pkg"); done
+    [ ${#missing[@]} -eq 0 ] && return 0
+    [ "$(id -u)" -eq 0 ] || fail "needs root to install: ${missing[*]} (run as root, or install them)"
+    if [ "$APT_UPDATED" -eq 0 ]; then
+        echo "test-env: [$STEP] apt-get update"
+        apt-get update -qq || fail "apt-get update failed (is a Debian mirror reachable?)"
+        APT_UPDATED=1
+    fi
+    echo "test-env: [$STEP] apt-get install ${missing[*]}"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" \
+        >/dev/null || fail "apt-get install ${missing[*]} failed"
+}
+
+engine_up() { "$DOCKER" info >/dev/null 2>&1; }
+
+# The mirror apt already uses (deb822 `URIs:` of the bookworm suite, else sources.list).
+debian_mirror() {
+    if [ -n "${VLLMSTACK_DEBIAN_MIRROR:-}" ]; then echo "$VLLMSTACK_DEBIAN_MIRROR"; return; fi
+    local file uri
+    for file in /etc/apt/sources.list.d/*.sources; do
+        [ -f "$file" ] || continue
+        uri=$(awk 'BEGIN{RS=""; FS="\n"}
+            /(^|\n)Suites:[^\n]*bookworm([ \t\n]|$)/ {
+                for (i = 1; i <= NF; i++) if ($i ~ /^URIs:/) { sub(/^URIs:[ \t]*/, "", $i);
+                    split($i, u, /[ \t]+/); print u[1]; exit } }' "$file")
+        if [ -n "$uri" ]; then echo "$uri"; return; fi
+    done
+    if [ -f /etc/apt/sources.list ]; then
+        uri=$(awk '$1 == "deb" && $0 ~ / bookworm / {
+            for (i = 2; i <= NF; i++) if ($i ~ /^[a-z]+:\/\//) { print $i; exit } }' \
+            /etc/apt/sources.list)
+        if [ -n "$uri" ]; then echo "$uri"; return; fi
+    fi
+    echo "http://deb.debian.org/debian"
+}
+
+# --- 1. Docker engine ---------------------------------------------------------------------------
+step packages "docker.io, docker-compose, debootstrap"
+apt_install docker.io docker-compose debootstrap
+
+step engine "Docker engine"
+if engine_up; then
+    echo "test-env: [engine] running (reused): $("$DOCKER" info --format '{{.ServerVersion}}')"
+else
+    [ "$(id -u)" -eq 0 ] || fail "the Docker engine is not running and starting it needs root"
+    command -v dockerd >/dev/null || fail "dockerd not found after installing docker.io"
+    listen=()
+    case "${DOCKER_HOST:-}" in
+        unix://*) listen=(-H "$DOCKER_HOST"); mkdir -p "$(dirname "${DOCKER_HOST#unix://}")" ;;
+        "") ;;
+        *) fail "DOCKER_HOST=$DOCKER_HOST is not running and is not a local unix socket" ;;
+    esac
+    # shellcheck disable=SC2206  # extra arguments are split on purpose
+    extra=(${VLLMSTACK_DOCKERD_ARGS:-})
+    echo "test-env: [engine] starting dockerd (log: $DOCKERD_LOG)"
+    # setsid + nohup: the engine outlives this script and the test run that called it.
+    setsid nohup dockerd "${listen[@]}" "${extra[@]}" >>"$DOCKERD_LOG" 2>&1 < /dev/null &
+    dockerd_pid=$!
+    waited=0
+    until engine_up; do
+        if ! kill -0 "$dockerd_pid" 2>/dev/null; then
+            fail "dockerd exited; last lines of $DOCKERD_LOG:
+$(tail -n 15 "$DOCKERD_LOG")"
+        fi
+        if [ "$waited" -ge "$DOCKERD_TIMEOUT" ]; then
+            fail "docker info still fails after ${DOCKERD_TIMEOUT}s; last lines of $DOCKERD_LOG:
+$(tail -n 15 "$DOCKERD_LOG")"
+        fi
+        sleep 1
+        waited=$((waited + 1))
+    done
+    echo "test-env: [engine] dockerd $dockerd_pid up after ${waited}s"
+fi
+# Both clients must reach the engine: tests and tasks may call whichever `docker` is on PATH.
+for client in "$DOCKER" "$(command -v docker)"; do
+    "$client" version --format '{{.Server.Version}}' >/dev/null 2>&1 \
+        || fail "$client cannot talk to the engine: $("$client" version 2>&1 | tail -n 3)"
+done
+docker-compose version >/dev/null 2>&1 || fail "docker-compose does not run"
+
+# --- 2. base image ------------------------------------------------------------------------------
+step base-image "$BASE_IMAGE"
+if "$DOCKER" image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
+    echo "test-env: [base-image] present (reused)"
+else
+    [ "$(id -u)" -eq 0 ] || fail "debootstrap needs root"
+    mirror=$(debian_mirror)
+    rootfs=$(mktemp -d /var/tmp/vllmstack-rootfs.XXXXXX)
+    trap 'rm -rf "$rootfs"' EXIT
+    echo "test-env: [base-image] debootstrap bookworm from $mirror (a few minutes)"
+    debootstrap --variant=minbase --include="$BASE_PACKAGES" bookworm "$rootfs" "$mirror" \
+        >"$rootfs.log" 2>&1 || fail "debootstrap failed; last lines of $rootfs.log:
+$(tail -n 15 "$rootfs.log")"
+    # Smaller image: no downloaded .debs or package lists (apt-get update refetches them).
+    rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/*
+    echo "test-env: [base-image] docker import"
+    tar -C "$rootfs" -c . | "$DOCKER" import \
+        --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
+        --change 'ENV LANG=C.UTF-8' \
+        --change 'CMD ["/bin/bash"]' \
+        - "$BASE_IMAGE" >/dev/null
+    rm -rf "$rootfs" "$rootfs.log"
+    trap - EXIT
+    "$DOCKER" run --rm --network none "$BASE_IMAGE" \
+        python3 -c 'import sys; assert sys.version_info >= (3, 11)' \
+        || fail "the imported image cannot run python3"
+    echo "test-env: [base-image] built"
+fi
+
+# --- 3. engine-simulator image (every time: cheap with the build cache) --------------------------
+step sim-image "$SIM_IMAGE from tests/simulator/Dockerfile"
+DOCKER_BUILDKIT=1 "$DOCKER" build -q --build-arg BUILDKIT_INLINE_CACHE=1 -t "$SIM_IMAGE" \
+    "$ROOT/tests/simulator" >/dev/null \
+    || fail "docker build of $ROOT/tests/simulator failed"
+echo "test-env: [sim-image] built $("$DOCKER" image inspect -f '{{.Id}}' "$SIM_IMAGE" | cut -c8-19)"
+
+# --- 4. Chromium for the browser tests (Playwright uses /usr/bin/chromium; no downloads) --------
+step chromium "/usr/bin/chromium"
+if [ "${VLLMSTACK_SKIP_CHROMIUM:-0}" = 1 ]; then
+    echo "test-env: [chromium] skipped (VLLMSTACK_SKIP_CHROMIUM=1)"
+elif [ -x /usr/bin/chromium ]; then
+    echo "test-env: [chromium] present (reused)"
+else
+    apt_install chromium
+    [ -x /usr/bin/chromium ] || fail "chromium installed but /usr/bin/chromium is missing"
+    echo "test-env: [chromium] installed"
+fi
+
+step done "ready"
