@@ -182,9 +182,25 @@ def create_app(
     poll_lock = asyncio.Lock()
     model_cache: dict[str, Any] = {"at": 0.0, "value": None}
 
+    # One client per event loop, kept open: a new client per poll costs ~100 ms (TLS context,
+    # new connection) — ten times the budget of a poll.
+    clients: dict[int, httpx.AsyncClient] = {}
+
+    async def engine_client() -> httpx.AsyncClient:
+        loop = id(asyncio.get_running_loop())
+        client = clients.get(loop)
+        if client is None:
+            client = clients[loop] = httpx.AsyncClient(timeout=2.0)
+        return client
+
+    async def close_client() -> None:
+        client = clients.pop(id(asyncio.get_running_loop()), None)
+        if client is not None:
+            await client.aclose()
+
     async def default_fetch() -> str:
-        async with httpx.AsyncClient(timeout=2.0) as client:
-            response = await client.get(metrics_url(settings.engine_url))
+        client = await engine_client()
+        response = await client.get(metrics_url(settings.engine_url))
         if response.status_code != 200:
             raise RuntimeError(f"{metrics_url(settings.engine_url)} answered HTTP "
                                f"{response.status_code}")
@@ -250,6 +266,7 @@ def create_app(
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            await close_client()
             await asyncio.to_thread(runs.shutdown)
 
     app = FastAPI(title="vllmstack dashboard", lifespan=lifespan, docs_url=None,
