@@ -282,3 +282,74 @@ def dashboard(c: Context, host: str | None = None, port: str | None = None,
     code = run(settings, os.environ)
     if code:
         raise Exit(code=code)
+
+
+# --- build and patches ---------------------------------------------------------------------
+
+PATCH_HELP = {
+    "ref": "NAME=REF: check NAME (vllm, aiter, flash-attention) at this tag, branch or commit",
+    "repo": "NAME=URL_OR_PATH: use this repository instead of <NAME>_REPO",
+    "patches": "NAME=DIR: use this patch folder instead of patches/NAME",
+}
+BUILD_HELP = {
+    **PROFILE_HELP,
+    "dry_run": "verify patches, then print the docker build command instead of running it",
+    "target": "build only up to this Dockerfile.fullbuild stage (e.g. vllm-source)",
+}
+
+
+@task(iterable=["ref", "repo", "patches"], help={**PATCH_HELP, **JSON_HELP})
+def verify_patches(c: Context, ref: list[str] | None = None, repo: list[str] | None = None,
+                   patches: list[str] | None = None,
+                   json: bool = False) -> None:  # the CLI flag is --json
+    """Check every patch and overlay against the pinned (or given) refs; exit 1 if one fails."""
+    from vllmstack import patches as patch_set
+
+    try:
+        report = patch_set.verify_patches(
+            _project(), _resolve(None, None, None), _runner(False), environ=os.environ,
+            refs=patch_set.parse_component_pairs(ref or [], "--ref"),
+            repos=patch_set.parse_component_pairs(repo or [], "--repo"),
+            patch_dirs=patch_set.parse_component_pairs(patches or [], "--patches"))
+    except patch_set.PatchError as exc:
+        raise Exit(f"error: {exc}", code=1) from exc
+    if json:
+        _print_json(report.as_json())
+    else:
+        print(patch_set.render_report(report))
+    if report.failed:
+        raise Exit(code=1)
+
+
+def _build(model: str | None, platform: str | None, sets: list[str] | None, dry_run: bool,
+           target: str | None, no_cache: bool) -> None:
+    from vllmstack import build as image_build
+
+    outcome = image_build.build_image(_project(), _resolve(model, platform, sets),
+                                      _runner(dry_run), environ=os.environ, no_cache=no_cache,
+                                      target=target)
+    for finding in outcome.findings:
+        print(finding.render(), file=sys.stderr)
+    if outcome.report is not None and outcome.report.failed:
+        raise Exit("error: patches do not verify, so nothing was built (see above)", code=1)
+    if outcome.result is None:
+        raise Exit("error: the build did not start (see above)", code=1)
+    if not outcome.result.ok:
+        raise Exit(f"error: docker build failed (exit {outcome.result.returncode})",
+                   code=outcome.result.returncode or 1)
+
+
+@task(iterable=["set"], help=BUILD_HELP)
+def build(c: Context, model: str | None = None, platform: str | None = None,
+          set: list[str] | None = None,  # the CLI flag is --set
+          dry_run: bool = False, target: str | None = None) -> None:
+    """Verify patches, then build Dockerfile.fullbuild from the pins (BuildKit, cache mounts)."""
+    _build(model, platform, set, dry_run, target, no_cache=False)
+
+
+@task(iterable=["set"], help=BUILD_HELP)
+def rebuild(c: Context, model: str | None = None, platform: str | None = None,
+            set: list[str] | None = None,  # the CLI flag is --set
+            dry_run: bool = False, target: str | None = None) -> None:
+    """Like build, without Docker's layer cache (pip and ccache mounts still speed it up)."""
+    _build(model, platform, set, dry_run, target, no_cache=True)

@@ -1,0 +1,315 @@
+"""The full image build: verify patches, then `docker build` of Dockerfile.fullbuild with every pin.
+
+The image carries labels (each pin, the verified commits, the patch-set hashes,
+the overlay lock and the upstream hash of every overlaid file), so `invoke
+check` and `invoke up` can tell when the image no longer matches the settings:
+a stale overlay silently replacing newer upstream code is what they prevent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vllmstack.findings import Finding
+from vllmstack.patches import (
+    COMPONENTS,
+    PatchError,
+    VerifyReport,
+    component_folders,
+    is_url,
+    load_overlays,
+    overlay_lock,
+    patch_set_hash,
+    render_report,
+    verify_patches,
+)
+from vllmstack.paths import Project
+from vllmstack.profiles import Resolved
+from vllmstack.runner import Result, Runner
+from vllmstack.schema import Schema, load_schema
+
+BUILD_FILE = "Dockerfile.fullbuild"
+PACKAGE_LINK = "/opt/vllm-package"
+LABEL = "vllmstack."
+PIN_LABEL = LABEL + "pin."
+# Pins that do not change what is built, so a difference is no reason to rebuild.
+NOT_COMPARED = {"MAX_JOBS"}
+# The Dockerfile's fetch-stage selector and stage prefix of each component.
+FETCH_ARGS = {
+    "vllm": ("VLLM_FETCH", "vllm"),
+    "aiter": ("AITER_FETCH", "aiter"),
+    "flash-attention": ("FLASH_ATTN_FETCH", "flash-attn"),
+}
+
+
+class BuildError(Exception):
+    """The build cannot start; the message says why and what to do."""
+
+
+def build_arg_keys(schema: Schema | None = None) -> list[str]:
+    """Every setting that becomes a build arg of Dockerfile.fullbuild, in schema order."""
+    schema = schema or load_schema()
+    return [k.name for k in schema.keys.values() if k.becomes == "build-arg"]
+
+
+def rocm_release(rocm_image: str) -> tuple[int, int] | None:
+    """(major, minor) from the image tag, e.g. `...:10.1.0-full` -> (10, 1)."""
+    tag = rocm_image.rsplit(":", 1)[-1] if ":" in rocm_image.rsplit("/", 1)[-1] else ""
+    match = re.match(r"^(\d+)\.(\d+)", tag)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def wheel_version(rocm_image: str, vllm_version: str, gpu_arch: str, commit: str = "") -> str:
+    """The vLLM wheel's version as the Dockerfile computes it, e.g. 0.31.0+rocm101.gfx1201."""
+    release = rocm_release(rocm_image)
+    if release is None:
+        raise BuildError(f"cannot read the ROCm version from ROCM_IMAGE={rocm_image}: its tag "
+                         "must start with X.Y (e.g. :10.1.0-full)")
+    commit_part = f"g{commit[:12]}." if ".dev" in vllm_version and commit else ""
+    return f"{vllm_version}+{commit_part}rocm{release[0]}{release[1]}.{gpu_arch}"
+
+
+def pin_findings(project: Project, resolved: Resolved) -> list[Finding]:
+    """Problems that would stop the build late: empty pins, an unreadable ROCm tag, bad repos."""
+    findings: list[Finding] = []
+    for key in build_arg_keys():
+        if not (resolved.get(key) or "").strip():
+            findings.append(Finding(
+                "error", "empty-pin", f"{key} is empty; Dockerfile.fullbuild needs it",
+                key=key, source=resolved.source(key), fix=f"set {key} in .env (see .env.example)"))
+    image = resolved.get("ROCM_IMAGE") or ""
+    if image and rocm_release(image) is None:
+        findings.append(Finding(
+            "error", "rocm-image-tag", f"ROCM_IMAGE={image}: the tag must start with the ROCm "
+            "version X.Y; the wheel's local version is made from it",
+            key="ROCM_IMAGE", source=resolved.source("ROCM_IMAGE"),
+            fix="use a tag like docker.io/rocm/dev-ubuntu-24.04:10.1.0-full"))
+    for name, (repo_key, _) in COMPONENTS.items():
+        repo = resolved.get(repo_key) or ""
+        if repo and not is_url(repo) and _local_source(project, name, repo) is None:
+            findings.append(Finding(
+                "error", "local-repo-outside-context",
+                f"{repo_key}={repo} is a local path; the image build reads a local repository "
+                f"only from upstream/{name}/ in this project (Docker sees nothing else)",
+                key=repo_key, source=resolved.source(repo_key),
+                fix=f"git clone --bare {repo} upstream/{name} and set {repo_key}=upstream/{name}"))
+    return findings
+
+
+def _local_source(project: Project, name: str, repo: str) -> Path | None:
+    path = Path(repo).expanduser()
+    path = path if path.is_absolute() else project.root / path
+    expected = project.root / "upstream" / name
+    if path.resolve() == expected.resolve() and expected.is_dir():
+        return expected
+    return None
+
+
+# --- labels ---------------------------------------------------------------------------------
+
+def dockerfile_hash(project: Project) -> str:
+    path = project.root / BUILD_FILE
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else ""
+
+
+def image_labels(project: Project, resolved: Resolved, report: VerifyReport) -> dict[str, str]:
+    """The labels `invoke build` puts on the image (and `image_label_findings` compares)."""
+    labels = {PIN_LABEL + key.lower(): resolved.get(key) or "" for key in build_arg_keys()}
+    for name in component_folders(project):
+        if name in COMPONENTS:
+            labels[f"{LABEL}patches.{name}"] = patch_set_hash(project.patches / name)
+    for comp in report.components:
+        if comp.commit:
+            labels[f"{LABEL}commit.{comp.name}"] = comp.commit
+    overlays = load_overlays(project)
+    labels[LABEL + "overlay-lock"] = overlay_lock(overlays)
+    vllm = report.get("vllm")
+    bases = {o.target: (vllm.upstream_hashes.get(o.target) or "") if vllm else ""
+             for o in overlays}
+    labels[LABEL + "overlay-bases"] = json.dumps(bases, sort_keys=True, separators=(",", ":"))
+    labels[LABEL + "dockerfile"] = dockerfile_hash(project)
+    labels[LABEL + "vllm-package"] = PACKAGE_LINK
+    labels[LABEL + "vllm-wheel-version"] = wheel_version(
+        resolved.get("ROCM_IMAGE") or "", resolved.get("VLLM_VERSION") or "",
+        resolved.get("GPU_ARCH") or "", vllm.commit if vllm else "")
+    return labels
+
+
+def read_image_labels(runner: Runner, docker: str, image: str) -> dict[str, str] | None:
+    """The image's labels, or None when the image does not exist (or docker cannot say)."""
+    result = runner.run([docker, "image", "inspect", "--format", "{{json .Config.Labels}}", image],
+                        mutates=False)
+    if not result.ok:
+        return None
+    try:
+        labels = json.loads(result.stdout or "null")
+    except json.JSONDecodeError:
+        return None
+    return {str(k): str(v) for k, v in (labels or {}).items()}
+
+
+def image_label_findings(project: Project, resolved: Resolved,
+                         labels: dict[str, str] | None) -> list[Finding]:
+    """One warning per way the image differs from the current pins, patches and overlay locks."""
+    image = resolved.get("VLLM_IMAGE") or "the engine image"
+    if labels is None:
+        return [Finding("info", "image-missing", f"{image} does not exist (yet), so its pins "
+                        "and patches were not compared", key="VLLM_IMAGE",
+                        source=resolved.source("VLLM_IMAGE"), fix="invoke build")]
+    if not any(k.startswith(PIN_LABEL) for k in labels):
+        return [Finding("info", "image-unlabelled", f"{image} was not built by `invoke build`; "
+                        "its pins and patches cannot be compared", key="VLLM_IMAGE",
+                        source=resolved.source("VLLM_IMAGE"))]
+    findings: list[Finding] = []
+    for key in build_arg_keys():
+        if key in NOT_COMPARED:
+            continue
+        built = labels.get(PIN_LABEL + key.lower())
+        now = resolved.get(key) or ""
+        if built != now:
+            was = "no record" if built is None else repr(built)
+            findings.append(Finding(
+                "warning", "image-pin-mismatch",
+                f"{image} was built with {key}={was}; the settings now say {now!r}",
+                key=key, source=resolved.source(key),
+                fix=f"invoke rebuild (or set {key} back to what the image has)"))
+    for name in component_folders(project):
+        if name not in COMPONENTS:
+            continue
+        built = labels.get(f"{LABEL}patches.{name}")
+        if built != patch_set_hash(project.patches / name):
+            findings.append(Finding(
+                "warning", "image-patches-stale",
+                f"patches/{name} changed since {image} was built; the image runs the old set",
+                source=f"patches/{name}", fix="invoke rebuild"))
+    findings += _overlay_findings(project, resolved, labels, image)
+    built_file = labels.get(LABEL + "dockerfile")
+    if built_file is not None and built_file != dockerfile_hash(project):
+        findings.append(Finding(
+            "warning", "image-dockerfile-stale", f"{BUILD_FILE} changed since {image} was built",
+            source=BUILD_FILE, fix="invoke rebuild"))
+    return findings
+
+
+def _overlay_findings(project: Project, resolved: Resolved, labels: Mapping[str, str],
+                      image: str) -> list[Finding]:
+    try:
+        overlays = load_overlays(project)
+    except PatchError as exc:
+        return [Finding("error", "overlay-manifest", str(exc), source="patches/vllm/overlays.toml",
+                        fix="fix the manifest entry named in the message")]
+    if labels.get(LABEL + "overlay-lock") == overlay_lock(overlays):
+        return []
+    try:
+        bases = json.loads(labels.get(LABEL + "overlay-bases") or "{}")
+    except json.JSONDecodeError:
+        bases = {}
+    built_ref = labels.get(PIN_LABEL + "vllm_ref", "")
+    findings = []
+    for overlay in overlays:
+        source = f"patches/vllm/overlays.toml:{overlay.line}"
+        base = bases.get(overlay.target)
+        if base and base != overlay.base_sha256:
+            findings.append(Finding(
+                "warning", "overlay-base-mismatch",
+                f"overlay {overlay.name} was derived from a different {overlay.target} than "
+                f"{image} contains (image: sha256 {base[:12]}, overlay base: "
+                f"{overlay.base_sha256[:12]}); mounting it would replace the image's code",
+                source=source, fix="re-derive the overlay from the image's vLLM ref, or rebuild"))
+        elif not base and overlay.ref != built_ref:
+            findings.append(Finding(
+                "warning", "overlay-ref-mismatch",
+                f"overlay {overlay.name} is locked to vLLM {overlay.ref}, {image} has "
+                f"{built_ref or 'an unknown ref'}", source=source,
+                fix="invoke verify-patches, then re-derive the overlay or rebuild"))
+    if not findings:
+        findings.append(Finding(
+            "warning", "image-overlays-stale",
+            f"the overlay manifest changed since {image} was built (overlays added, removed or "
+            "re-locked)", source="patches/vllm/overlays.toml",
+            fix="invoke verify-patches; invoke rebuild to record the new lock"))
+    return findings
+
+
+# --- the build ------------------------------------------------------------------------------
+
+@dataclass
+class BuildPlan:
+    argv: list[str]
+    labels: dict[str, str]
+
+
+@dataclass
+class BuildOutcome:
+    report: VerifyReport | None
+    findings: list[Finding] = field(default_factory=list)
+    plan: BuildPlan | None = None
+    result: Result | None = None
+
+    @property
+    def ok(self) -> bool:
+        if any(f.severity == "error" for f in self.findings):
+            return False
+        if self.report is not None and self.report.failed:
+            return False
+        return self.result is not None and self.result.ok
+
+
+def plan_build(project: Project, resolved: Resolved, report: VerifyReport, *,
+               no_cache: bool = False, target: str | None = None) -> BuildPlan:
+    """The exact `docker build` argv: every pin a build arg, every label, BuildKit on."""
+    docker = resolved.get("DOCKER") or "docker"
+    image = resolved.get("VLLM_IMAGE") or "localhost/vllm-fullbuild:latest"
+    # `env` puts BuildKit in the command itself, so the printed line reproduces the build.
+    argv = ["env", "DOCKER_BUILDKIT=1", docker, "build", "--progress=plain",
+            "--file", str(project.root / BUILD_FILE), "--tag", image]
+    for key in build_arg_keys():
+        argv += ["--build-arg", f"{key}={resolved.get(key) or ''}"]
+    for name, (repo_key, _) in COMPONENTS.items():
+        repo = resolved.get(repo_key) or ""
+        if repo and not is_url(repo) and _local_source(project, name, repo) is not None:
+            arg, stage = FETCH_ARGS[name]
+            argv += ["--build-arg", f"{arg}={stage}-local"]
+    labels = image_labels(project, resolved, report)
+    for key, value in labels.items():
+        argv += ["--label", f"{key}={value}"]
+    if no_cache:
+        argv.append("--no-cache")
+    if target:
+        argv += ["--target", target]
+    argv.append(str(project.root))
+    return BuildPlan(argv, labels)
+
+
+def build_image(project: Project, resolved: Resolved, runner: Runner, *,
+                environ: Mapping[str, str], no_cache: bool = False,
+                target: str | None = None, verify_tool: Path | None = None,
+                say: Callable[[str], None] = print) -> BuildOutcome:
+    """Verify patches (fail fast, before hours of compiling), then run the build.
+
+    `say` gets the verification report as soon as it is known, before the build starts.
+    """
+    findings = pin_findings(project, resolved)
+    if not (project.root / BUILD_FILE).is_file():
+        findings.append(Finding("error", "no-dockerfile", f"{BUILD_FILE} is missing",
+                                source=str(project.root)))
+    if any(f.severity == "error" for f in findings):
+        return BuildOutcome(None, findings)
+    report = verify_patches(project, resolved, runner, environ=environ, tool=verify_tool)
+    outcome = BuildOutcome(report, findings)
+    say(render_report(report))
+    if report.failed:
+        return outcome
+    try:
+        outcome.plan = plan_build(project, resolved, report, no_cache=no_cache, target=target)
+    except (BuildError, PatchError) as exc:
+        outcome.findings.append(Finding("error", "build-plan", str(exc)))
+        return outcome
+    outcome.result = runner.run(outcome.plan.argv, capture=False, cwd=project.root,
+                                env=dict(environ))
+    return outcome
