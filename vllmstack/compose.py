@@ -249,19 +249,20 @@ def _overlay_mounts(project: Project, package_dir: str, notes: list[str]) -> lis
 
 
 def interpolation_env(resolved: Resolved, ids: HostIds, paths: StackPaths) -> dict[str, str]:
-    """Variables compose.yaml interpolates (only ever set by this file: see compose.yaml)."""
+    """Variables compose.yaml interpolates. Prefixed so that no .env can satisfy them: a bare
+    `docker compose up` must fail and say to use invoke."""
     return {
-        "VLLM_IMAGE": resolved.get("VLLM_IMAGE") or "",
-        "DASHBOARD_IMAGE": resolved.get("DASHBOARD_IMAGE") or "",
-        "USER_UID": str(ids.uid),
-        "USER_GID": str(ids.gid),
-        "VLLM_BIND": resolved.get("VLLM_BIND") or "127.0.0.1",
-        "VLLM_PORT": resolved.get("VLLM_PORT") or "8180",
-        "DASHBOARD_BIND": resolved.get("DASHBOARD_BIND") or "127.0.0.1",
-        "DASHBOARD_PORT": resolved.get("DASHBOARD_PORT") or "8083",
-        "DASHBOARD_TOKEN": resolved.get("DASHBOARD_TOKEN") or "",
-        "HF_CACHE_DIR": str(paths.hf_cache),
-        "ENGINE_CACHE_DIR": str(paths.engine_cache),
+        "VLLMSTACK_VLLM_IMAGE": resolved.get("VLLM_IMAGE") or "",
+        "VLLMSTACK_DASHBOARD_IMAGE": resolved.get("DASHBOARD_IMAGE") or "",
+        "VLLMSTACK_USER_UID": str(ids.uid),
+        "VLLMSTACK_USER_GID": str(ids.gid),
+        "VLLMSTACK_VLLM_BIND": resolved.get("VLLM_BIND") or "127.0.0.1",
+        "VLLMSTACK_VLLM_PORT": resolved.get("VLLM_PORT") or "8180",
+        "VLLMSTACK_DASHBOARD_BIND": resolved.get("DASHBOARD_BIND") or "127.0.0.1",
+        "VLLMSTACK_DASHBOARD_PORT": resolved.get("DASHBOARD_PORT") or "8083",
+        "VLLMSTACK_DASHBOARD_TOKEN": resolved.get("DASHBOARD_TOKEN") or "",
+        "VLLMSTACK_HF_CACHE_DIR": str(paths.hf_cache),
+        "VLLMSTACK_ENGINE_CACHE_DIR": str(paths.engine_cache),
     }
 
 

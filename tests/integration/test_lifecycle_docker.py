@@ -1,0 +1,157 @@
+"""`invoke up/status/down` for real, on the local Docker engine, against the engine simulator image."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, need
+
+SIM_IMAGE = "vllmstack/engine-sim:latest"
+pytestmark = pytest.mark.docker
+
+
+def docker_ok() -> bool:
+    try:
+        ok = subprocess.run(["docker", "info"], capture_output=True, timeout=20).returncode == 0
+        image = subprocess.run(["docker", "image", "inspect", SIM_IMAGE], capture_output=True,
+                               timeout=20).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return ok and image and shutil.which("docker-compose") is not None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Stack:
+    def __init__(self, root: Path, home: Path, name: str, port: int) -> None:
+        self.root, self.home, self.name, self.port = root, home, name, port
+
+    def invoke(self, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, "HOME": str(self.home)}
+        return subprocess.run([sys.executable, "-m", "invoke", *args], cwd=self.root, env=env,
+                              text=True, capture_output=True, timeout=timeout, check=False)
+
+    def up(self, *extra: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+        return self.invoke("up", "--platform", "cpu", "--model", "qwen3-0.6b",
+                           "--set", f"VLLM_IMAGE={SIM_IMAGE}", "--no-dashboard", *extra,
+                           timeout=timeout)
+
+    def containers(self) -> list[str]:
+        out = subprocess.run(["docker", "ps", "-aq", "--filter",
+                              f"label=com.docker.compose.project={self.name}"],
+                             capture_output=True, text=True, check=False)
+        return out.stdout.split()
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[Stack]:
+    need(docker_ok(), "Docker engine, docker-compose and the simulator image are needed")
+    root = tmp_path / "stack"
+    root.mkdir()
+    for name in ("env", "chat-templates", "fp8_configs", "fused_moe_configs", "patches"):
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, root / name)
+    for name in ("compose.yaml", "tasks.py", ".env.example"):
+        shutil.copy(ROOT / name, root / name)
+    name = f"vst{os.getpid()}{tmp_path.name[-6:].replace('_', '')}".lower()
+    port = free_port()
+    example = [line for line in (ROOT / ".env.example").read_text().splitlines()
+               if not line.startswith(("VLLM_PORT=", "DASHBOARD_PORT="))]
+    (root / ".env").write_text("\n".join(example)
+                               + f"\nCOMPOSE_PROJECT={name}\nVLLM_PORT={port}\n"
+                               + "OTHER_ENGINE_PORTS=\nRUNTIME=compose-v1\n")
+    home = tmp_path / "home"
+    home.mkdir()
+    stack = Stack(root, home, name, port)
+    yield stack
+    stack.invoke("down", "--timeout", "5", timeout=120)
+    ids = stack.containers()
+    if ids:
+        subprocess.run(["docker", "rm", "-f", *ids], capture_output=True, check=False)
+
+
+def last_lines(result: subprocess.CompletedProcess[str], n: int = 2) -> str:
+    return "\n".join((result.stdout + result.stderr).strip().splitlines()[-n:])
+
+
+def test_healthy_boot_status_and_down(stack: Stack) -> None:
+    result = stack.up("--set", "ENGINE_ENV=SIM_BOOT_SECONDS=2")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "healthy after" in result.stdout and "warm-up answered" in result.stdout
+    status = json.loads(stack.invoke("status", "--json").stdout)
+    assert status["running"] is True and status["healthy"] is True
+    assert status["model"] == "qwen3-0.6b" and status["runtime"] == "compose"
+    assert status["kv_cache_usage"] is not None
+    assert [c["service"] for c in status["containers"]] == ["vllm"]
+    # The rendered files are there to read and reproduce the run by hand.
+    assert (stack.root / "generated/compose.override.yaml").is_file()
+    assert (stack.root / "generated/vllm-argv.txt").read_text().startswith("vllm serve")
+    # A second `up` with the same command is a no-op.
+    again = stack.up("--set", "ENGINE_ENV=SIM_BOOT_SECONDS=2")
+    assert again.returncode == 0 and "nothing to do" in again.stdout
+    down = stack.invoke("down")
+    assert down.returncode == 0, down.stderr
+    assert stack.containers() == []
+    after = json.loads(stack.invoke("status", "--json").stdout)
+    assert after["running"] is False and after["healthy"] is False
+
+
+def test_crash_at_boot_is_diagnosed_from_the_log(stack: Stack) -> None:
+    result = stack.up("--set", "ENGINE_ENV=SIM_FAULT=crash-at-boot SIM_BOOT_SECONDS=1")
+    assert result.returncode == 1
+    tail = last_lines(result)
+    assert "out of memory for the KV cache" in tail and tail.splitlines()[-1].startswith("fix:")
+    assert "No available memory for the cache blocks" in result.stderr
+    # The container is kept (its log is the evidence) but not left crash-looping.
+    state = subprocess.run(["docker", "inspect", "--format", "{{.State.Status}}",
+                            *stack.containers()], capture_output=True, text=True, check=False)
+    assert state.stdout.split() == ["exited"]
+
+
+def test_crash_loop_is_detected(stack: Stack) -> None:
+    fault = "Permission denied: '/dev/kfd'"
+    result = stack.up("--set", f"ENGINE_ENV=SIM_FAULT=crash-loop SIM_BOOT_SECONDS=0.5 "
+                               f'"SIM_FAULT_LOG={fault}"')
+    assert result.returncode == 1
+    tail = last_lines(result)
+    assert "crash-looping" in tail or "exited with code" in tail
+    assert "RENDER_GID" in tail
+
+
+def test_hang_ends_at_the_timeout_with_the_log_tail(stack: Stack) -> None:
+    result = stack.up("--set", "ENGINE_ENV=SIM_FAULT=hang", "--timeout", "6")
+    assert result.returncode == 1
+    assert "did not become healthy within 6 s" in result.stderr
+    assert "--- last log lines ---" in result.stderr and "Loading model" in result.stderr
+
+
+def test_other_engine_guard_refuses(stack: Stack) -> None:
+    other = free_port()
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", other))
+        listener.listen()
+        result = stack.up("--set", f"OTHER_ENGINE_PORTS={other}")
+    assert result.returncode == 1
+    assert f"port {other}" in result.stderr and "another engine" in result.stderr
+    assert stack.containers() == []
+
+
+def test_bare_compose_up_fails_with_the_invoke_hint(stack: Stack) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "USER_"))}
+    result = subprocess.run(["docker-compose", "-p", stack.name, "up", "-d"], cwd=stack.root,
+                            env=env, text=True, capture_output=True, timeout=60, check=False)
+    assert result.returncode != 0
+    assert "invoke up" in result.stderr
+    assert stack.containers() == []
