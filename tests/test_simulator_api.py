@@ -411,3 +411,13 @@ def test_access_log_lines_like_uvicorn(sim: SimProcess) -> None:
     log = sim.wait_for_log('"GET /v1/models HTTP/1.1" 200 OK')
     assert re.search(r'\(APIServer pid=\d+\) INFO:     127\.0\.0\.1:\d+ - "GET /v1/models '
                      r'HTTP/1\.1" 200 OK', log)
+
+
+def test_every_served_name_is_listed_and_accepted() -> None:
+    with run_simulator(env=FAST, argv=["/models/x", "--served-model-name", "a", "b"]) as sim:
+        ids = [card["id"] for card in call(sim.url, "/v1/models").json()["data"]]
+        answer = call(sim.url, "/v1/completions", {"model": "b", "prompt": "x", "max_tokens": 1})
+        metrics = call(sim.url, "/metrics").body.decode()
+    assert ids == ["a", "b"]
+    assert answer.status == 200 and answer.json()["model"] == "a"
+    assert 'model_name="a"' in metrics

@@ -63,6 +63,10 @@ system message with the tools JSON when tools are given), then `<|im_start|>assi
 its words + 5 tokens and the generation prompt 3. Completion tokens are the tokens emitted; each
 generated word is one token.
 
+Not simulated: n > 1, stop strings, logprobs, sampling parameters (the text does not depend on
+temperature), /v1/responses, multimodal input, engine-step batching (each request is paced on its
+own; vllm:iteration_tokens_total counts per-request steps).
+
 Faults:
   crash-at-boot   boot lines, then SIM_FAULT_LOG and vLLM's generic "Engine core initialization
                   failed ... Failed core proc(s): {}" lines, exit 1 before listening
@@ -125,7 +129,7 @@ FAULTS = (
 @dataclass
 class Config:
     model: str = "sim"
-    served_name: str = ""
+    served_names: list[str] = field(default_factory=list)
     host: str = "0.0.0.0"
     port: int = 8000
     max_model_len: int = 4096
@@ -163,7 +167,12 @@ class Config:
 
     @property
     def name(self) -> str:
-        return self.served_name or self.model
+        """The first served name (vLLM's metrics label and default), else the model path."""
+        return self.served_names[0] if self.served_names else self.model
+
+    @property
+    def names(self) -> list[str]:
+        return self.served_names or [self.model]
 
     @property
     def num_spec_tokens(self) -> int:
@@ -268,7 +277,7 @@ def load_config(argv: Sequence[str], environ: dict[str, str]) -> Config:
         non_default["model_tag"] = cfg.model
         non_default["model"] = cfg.model
     if flags.get("served-model-name"):
-        cfg.served_name = flags["served-model-name"][0]
+        cfg.served_names = list(flags["served-model-name"])
         non_default["served_model_name"] = list(flags["served-model-name"])
     if "host" in flags:
         cfg.host = flags["host"]
@@ -1135,8 +1144,10 @@ class Engine:
             if self.dead:
                 raise EngineDeadError
             self.metrics.waiting += 1
+            queued = False
             try:
                 while self.running >= self.cfg.max_num_seqs and not self.dead:
+                    queued = True
                     self.cond.wait(0.5)
                 if self.dead:
                     raise EngineDeadError
@@ -1144,7 +1155,9 @@ class Engine:
             finally:
                 self.metrics.waiting -= 1
             self.metrics.running = self.running
-        req.admitted = time.monotonic()
+        # A request that found a free slot is paced from its arrival, so the simulator's own
+        # parsing and tokenizing stay inside SIM_TTFT_MS instead of adding to it.
+        req.admitted = time.monotonic() if queued else req.arrival
         req.cached = self.cache.lookup(req.prompt_tokens)
         self._set_blocks(req, len(req.prompt_tokens))
 
@@ -1290,6 +1303,7 @@ class Handler(BaseHTTPRequestHandler):
     server_version = "uvicorn"
     sys_version = ""
     server: Server
+    received = 0.0  # set per request in dispatch
 
     # -- plumbing
 
@@ -1377,6 +1391,7 @@ class Handler(BaseHTTPRequestHandler):
     def dispatch(self, method: str) -> None:
         sim = self.server.sim
         started = time.monotonic()
+        self.received = started  # arrival time of a generation request (pacing starts here)
         self.request_size = 0
         self.response_size = 0
         self.status = 0
@@ -1414,6 +1429,12 @@ class Handler(BaseHTTPRequestHandler):
             if not self.status:
                 self.send_json(500, error_body(ENGINE_ERROR_TEXT, "InternalServerError", None,
                                                500))
+        except Exception as exc:  # a simulator bug: answer like vLLM's generic 500, keep serving
+            sim.log.api("ERROR", "serving.py:208", f"Error in simulator: {exc!r}")
+            traceback.print_exc()
+            if not self.status:
+                self.send_json(500, error_body(str(exc), "InternalServerError", None, 500))
+            self.close_connection = True
         finally:
             if generating:
                 with sim.engine.cond:
@@ -1444,8 +1465,8 @@ class Handler(BaseHTTPRequestHandler):
     def get_models(self) -> None:
         sim = self.server.sim
         created = int(sim.started)
-        card = {
-            "id": sim.cfg.name, "object": "model", "created": created, "owned_by": "vllm",
+        cards = [{
+            "id": name, "object": "model", "created": created, "owned_by": "vllm",
             "root": sim.cfg.model, "parent": None, "max_model_len": sim.cfg.max_model_len,
             "permission": [{
                 "id": f"modelperm-{sim.random_hex()}", "object": "model_permission",
@@ -1454,8 +1475,8 @@ class Handler(BaseHTTPRequestHandler):
                 "allow_fine_tuning": False, "organization": "*", "group": None,
                 "is_blocking": False,
             }],
-        }
-        self.send_json(200, {"object": "list", "data": [card]})
+        } for name in sim.cfg.names]
+        self.send_json(200, {"object": "list", "data": cards})
 
     def post_tokenize(self) -> None:
         sim = self.server.sim
@@ -1478,7 +1499,7 @@ class Handler(BaseHTTPRequestHandler):
     def check_model(self, body: dict[str, Any]) -> None:
         sim = self.server.sim
         model = body.get("model")
-        if model is not None and model != sim.cfg.name:
+        if model is not None and model not in sim.cfg.names:
             message = f"The model `{model}` does not exist."
             sim.log.api("ERROR", "serving.py:208",
                         f"Error with model error=ErrorInfo(message='{message}', "
@@ -1549,7 +1570,7 @@ class Handler(BaseHTTPRequestHandler):
                 tool = ToolCall(fn["name"], arguments, f"chatcmpl-tool-{sim.random_hex()}")
         reasoning = sim.cfg.reasoning_tokens if (sim.cfg.reasoning_parser and thinking) else 0
         pieces, finish = sim.plan(prompt_tokens, budget, reasoning, tool, stream, body)
-        req = Request("chat", prompt_tokens, max_tokens, budget, time.monotonic())
+        req = Request("chat", prompt_tokens, max_tokens, budget, self.received)
         rid = f"chatcmpl-{sim.random_hex()}"
         if stream:
             self.stream_chat(req, rid, body, pieces, finish, tool)
@@ -1580,7 +1601,7 @@ class Handler(BaseHTTPRequestHandler):
         max_tokens, budget = self.budget_for(body, len(prompt_tokens))
         stream = bool(body.get("stream"))
         pieces, finish = sim.plan(prompt_tokens, budget, 0, None, stream, body)
-        req = Request("completion", prompt_tokens, max_tokens, budget, time.monotonic())
+        req = Request("completion", prompt_tokens, max_tokens, budget, self.received)
         rid = f"cmpl-{sim.random_hex()}"
         if stream:
             self.stream_completion(req, rid, body, pieces, finish)
@@ -1608,10 +1629,13 @@ class Handler(BaseHTTPRequestHandler):
             emit(None, False)
             for index, step in enumerate(steps):
                 sleep_until(engine.step_deadline(req, index), engine)
+                now = time.monotonic()
+                emit(step, index == len(steps) - 1)
+                # Bookkeeping after the write: hashing a long prompt into the prefix cache must
+                # not delay the token the client is timing.
                 if index == 0:
                     engine.record_prefill(req)
-                engine.record_step(req, len(step), time.monotonic(), index == 0)
-                emit(step, index == len(steps) - 1)
+                engine.record_step(req, len(step), now, index == 0)
         except ClientGoneError:
             engine.finish(req, "abort", [])
             raise
