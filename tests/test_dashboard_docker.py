@@ -1,0 +1,105 @@
+"""Dockerfile.dashboard builds, its container serves the dashboard and turns healthy."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import need
+from simulator.fixture import free_port, run_simulator
+
+pytestmark = [pytest.mark.docker, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE_IMAGE = "vllmstack/base:bookworm"
+IMAGE = "vllmstack-test/dashboard:latest"
+# Debian's client has BuildKit built in; a newer client first on PATH may lack buildx.
+DOCKER = "/usr/bin/docker" if Path("/usr/bin/docker").exists() else (shutil.which("docker")
+                                                                      or "docker")
+CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
+
+
+def docker(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, DOCKER_BUILDKIT="1")
+    return subprocess.run([DOCKER, *args], capture_output=True, text=True, timeout=timeout,
+                          check=False, env=env)
+
+
+def engine_ready() -> bool:
+    try:
+        return (docker("info", timeout=20).returncode == 0
+                and docker("image", "inspect", BASE_IMAGE, timeout=20).returncode == 0)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.fixture(scope="module")
+def image() -> str:
+    need(engine_ready(), f"Docker engine with {BASE_IMAGE} (scripts/test-env.sh builds it)")
+    args = ["build", "-f", "Dockerfile.dashboard", "--build-arg", f"BASE_IMAGE={BASE_IMAGE}",
+            "-t", IMAGE]
+    if CA_BUNDLE.is_file():
+        # A TLS-intercepting proxy needs the host's CA bundle for pip; elsewhere it is harmless.
+        args += ["--secret", f"id=pip_cert,src={CA_BUNDLE}"]
+    built = docker(*args, str(ROOT), timeout=900)
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    return IMAGE
+
+
+@pytest.fixture
+def name() -> Iterator[str]:
+    container = f"vllmstack-dashtest-{uuid.uuid4().hex[:8]}"
+    yield container
+    docker("rm", "-f", container)
+
+
+def health(container: str) -> str:
+    out = docker("inspect", "--format", "{{json .State.Health}}", container)
+    return str(json.loads(out.stdout or "null").get("Status")) if out.returncode == 0 else ""
+
+
+def test_container_serves_live_metrics_and_turns_healthy(image: str, name: str) -> None:
+    port = free_port()
+    with run_simulator(argv=["--served-model-name", "tiny"]) as sim:
+        started = docker(
+            "run", "-d", "--name", name, "--network", "host",
+            "-e", f"DASHBOARD_CONTAINER_PORT={port}", image,
+            "python", "-m", "vllmstack.dashboard", "--host", "127.0.0.1", "--port", str(port),
+            "--engine-url", sim.url, "--history-dir", "/app/benchmarks")
+        assert started.returncode == 0, started.stderr
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        metrics = None
+        while time.monotonic() < deadline:
+            try:
+                metrics = httpx.get(f"{url}/api/metrics", timeout=2).json()
+                if metrics["engine_up"]:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        assert metrics is not None and metrics["engine_up"] is True, docker("logs", name).stderr
+        assert metrics["model"] == "tiny"
+        page = httpx.get(url + "/", timeout=5)
+        assert page.status_code == 200 and "vendor/chart.umd.min.js" in page.text
+        # The image's HEALTHCHECK (Python urllib, no curl) reports healthy: interval 15 s.
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and health(name) != "healthy":
+            time.sleep(1)
+        assert health(name) == "healthy"
+
+
+def test_container_refuses_exposure_without_token(image: str, name: str) -> None:
+    run = docker("run", "--name", name, image, "python", "-m", "vllmstack.dashboard",
+                 "--host", "0.0.0.0", "--port", "3000", "--engine-url", "http://vllm:8000",
+                 "--history-dir", "/app/benchmarks", timeout=60)
+    assert run.returncode == 2
+    assert "DASHBOARD_TOKEN" in run.stderr and "Traceback" not in run.stderr
