@@ -181,10 +181,10 @@ def test_pins_torch_and_rocm_suffixes_disagree(project: Project) -> None:
 
 
 def test_empty_required_pin(project: Project) -> None:
-    f = by_code(check(project, "FLYDSL_VERSION="), "pin-empty")
+    f = by_code(check(project, "FLYDSL_VERSION="), "empty-pin")
     assert f.key == "FLYDSL_VERSION" and f.severity == "error"
     # A prebuilt image needs no build pins.
-    assert "pin-empty" not in errors(check(project, "FLYDSL_VERSION=", platform="nvidia",
+    assert "empty-pin" not in errors(check(project, "FLYDSL_VERSION=", platform="nvidia",
                                            model="qwen3-0.6b"))
 
 

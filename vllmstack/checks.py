@@ -14,6 +14,7 @@ from importlib import import_module
 from pathlib import Path
 from typing import Any
 
+from vllmstack import build, patches
 from vllmstack.findings import Finding, sort_findings
 from vllmstack.modelinfo import (
     GIB,
@@ -43,9 +44,6 @@ IMAGE_ARCHS = {"gfx90a", "gfx942", "gfx950", "gfx1100", "gfx1101", "gfx1200", "g
                "gfx1150", "gfx1151"}
 # Where AITER has kernels at all: CK paths on gfx9, its Triton kernels on RDNA4.
 AITER_ARCH_PREFIXES = ("gfx9", "gfx120")
-PINS_FOR_FULL_BUILD = ("ROCM_IMAGE", "TORCH_VERSION", "TORCHVISION_VERSION", "TORCHAUDIO_VERSION",
-                       "TORCH_INDEX_URL", "VLLM_REF", "VLLM_VERSION", "AITER_REF", "FLASH_ATTN_REF",
-                       "FLYDSL_VERSION", "GPU_ARCH")
 
 
 @dataclass
@@ -526,14 +524,9 @@ IMAGE_ROCM = re.compile(r":(\d+\.\d+(?:\.\d+)?)")
 
 def rule_pins(ctx: CheckContext) -> list[Finding]:
     out: list[Finding] = []
-    full_build = ctx.get("VLLM_IMAGE") == FULL_BUILD_IMAGE and ctx.is_amd
-    if full_build:
-        for key in PINS_FOR_FULL_BUILD:
-            if not ctx.get(key).strip():
-                out.append(ctx.finding(
-                    "error", "pin-empty", key,
-                    f"{key} is empty but the full build of {FULL_BUILD_IMAGE} needs it",
-                    fix=f"set {key} in .env (see .env.example)"))
+    if ctx.get("VLLM_IMAGE") == FULL_BUILD_IMAGE and ctx.is_amd:
+        # The engine image is built here: everything the build needs must be there.
+        out += build.pin_findings(ctx.project, ctx.resolved)
     ref, version = ctx.get("VLLM_REF"), ctx.get("VLLM_VERSION")
     match = VERSION_TAG.match(ref)
     if match and version and match.group(1) != version:
@@ -569,13 +562,7 @@ def _same_version(a: str, b: str) -> bool:
 def rule_overlays(ctx: CheckContext) -> list[Finding]:
     """Overlays replace vLLM files wholesale: one made for another ref silently reverts code."""
     try:
-        # TODO(lead): plain import once vllmstack.patches has landed (helper work in flight).
-        patches = import_module("vllmstack.patches")
-    except ImportError:
-        return []
-    loader = patches.load_overlays
-    try:
-        overlays = loader(ctx.project)
+        overlays = patches.load_overlays(ctx.project)
     except (ValueError, OSError) as exc:
         return [Finding("error", "overlay-manifest", str(exc), fix="fix the overlay manifest")]
     out: list[Finding] = []
@@ -660,4 +647,7 @@ def check_profile(
     if deep and ctx.command is not None:
         vllm_parser = import_module("vllmstack.vllm_parser")
         findings += vllm_parser.check_with_vllm_parser(project, runner, ctx.command.argv, resolved)
+    docker = resolved.get("DOCKER") or "docker"
+    labels = build.read_image_labels(runner, docker, resolved.get("VLLM_IMAGE") or "")
+    findings += build.image_label_findings(project, resolved, labels)
     return sort_findings(findings)

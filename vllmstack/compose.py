@@ -405,14 +405,3 @@ class ComposeEngine:
     def image_exists(self, image: str) -> bool:
         return self.runner.run([self.cli.engine, "image", "inspect", image], mutates=False,
                                timeout=30).ok
-
-    def image_labels(self, image: str) -> dict[str, str] | None:
-        result = self.runner.run([self.cli.engine, "image", "inspect", "--format",
-                                  "{{json .Config.Labels}}", image], mutates=False, timeout=30)
-        if not result.ok:
-            return None
-        try:
-            labels = json.loads(result.stdout.strip() or "null")
-        except ValueError:
-            return None
-        return {str(k): str(v) for k, v in (labels or {}).items()}

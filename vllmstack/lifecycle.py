@@ -18,7 +18,7 @@ from typing import Any, TextIO
 
 import requests
 
-from vllmstack import diagnosis
+from vllmstack import build, diagnosis
 from vllmstack.checks import run_checks
 from vllmstack.findings import Finding
 from vllmstack.gpu import GIB, GpuMemory, GpuProbe, total_used
@@ -523,7 +523,10 @@ def _prepare_runtime(stack: Stack, command: ServeCommand, *, dry_run: bool) -> l
                 if image.startswith("localhost/vllm-fullbuild") else
                 f"pull it ({engine.cli.engine} pull {image}) or set VLLM_IMAGE")
         raise LifecycleError(f"the engine image {image} does not exist on this host", hint)
-    labels = engine.image_labels(image) or {}
+    labels = build.read_image_labels(stack.runner, engine.cli.engine, image) or {}
+    for finding in build.image_label_findings(stack.project, resolved, labels or None):
+        if finding.severity != "info":
+            print(finding.render(), file=stack.out)
     ids = compose.detect_host_ids(resolved)
     paths = compose.stack_paths(resolved, stack.environ)
     try:
