@@ -353,3 +353,24 @@ def rebuild(c: Context, model: str | None = None, platform: str | None = None,
             dry_run: bool = False, target: str | None = None) -> None:
     """Like build, without Docker's layer cache (pip and ccache mounts still speed it up)."""
     _build(model, platform, set, dry_run, target, no_cache=True)
+
+
+@task(help={"name": "write env/models/NAME.env from the model keys (never overwrites)",
+            "extends": "layer the written profile builds on, e.g. families/qwen3.6"})
+def import_env(c: Context, file: str, name: str | None = None, extends: str | None = None) -> None:
+    """Read a profile of the earlier just/compose stack and report what maps where."""
+    from pathlib import Path
+
+    from vllmstack import migrate
+
+    source = Path(file)
+    if not source.is_file():
+        raise Exit(f"error: {file} does not exist", code=1)
+    mappings = migrate.map_env_file(source)
+    print(migrate.render_mapping(mappings))
+    if name:
+        try:
+            written = migrate.write_profile(_project(), name, source, mappings, extends)
+        except FileExistsError as exc:
+            raise Exit(f"error: {exc}", code=1) from exc
+        print(f"wrote {written}; next: invoke check --model {name}")
