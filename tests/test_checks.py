@@ -260,3 +260,9 @@ def test_dotenv_override_of_a_profile_value_is_explained(project: Project) -> No
     project.dotenv.write_text((project.root / ".env.example").read_text() + "VLLM_MAX_NUM_SEQS=3\n")
     f = by_code(check(project), "dotenv-override")
     assert "'3'" in f.message and "env/models/qwen3.8-27b.env" in f.message
+
+
+@pytest.mark.parametrize("setting", ["VLLM_TP=two", 'VLLM_SPEC_DECODE={"method": "mtp",',
+                                     "VLLM_GPU_MEM_UTIL=lots", "VLLM_MAX_NUM_SEQS=-1"])
+def test_one_mistake_gives_one_error_not_a_cascade(project: Project, setting: str) -> None:
+    assert len(errors(check(project, setting))) == 1

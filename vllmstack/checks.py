@@ -59,6 +59,15 @@ class CheckContext:
     def get(self, key: str) -> str:
         return self.resolved.get(key) or ""
 
+    @property
+    def bad_keys(self) -> set[str]:
+        """Keys whose value already failed validation: rules built on them stay quiet, so one
+        mistake gives one message instead of a cascade."""
+        return {f.key for f in self.resolved.problems if f.severity == "error" and f.key}
+
+    def usable(self, *keys: str) -> bool:
+        return not (set(keys) & self.bad_keys)
+
     def int(self, key: str) -> int | None:
         try:
             return int(self.get(key))
@@ -114,6 +123,8 @@ def rule_argv(ctx: CheckContext) -> list[Finding]:
     try:
         ctx.command = build_serve_argv(ctx.resolved)
     except ArgvError as exc:
+        if ctx.bad_keys:
+            return []  # the bad value is already reported, with its file and line
         return [Finding("error", "argv", str(exc), fix="fix the value named above")]
     return list(ctx.command.notes)
 
@@ -215,6 +226,8 @@ def _is_within(path: Path, folder: Path) -> bool:
 
 
 def rule_spec_decode(ctx: CheckContext) -> list[Finding]:
+    if not ctx.usable("VLLM_SPEC_DECODE", "VLLM_MAX_NUM_SEQS"):
+        return []
     try:
         spec = spec_config(ctx.resolved)
     except ArgvError:
@@ -245,6 +258,9 @@ def rule_spec_decode(ctx: CheckContext) -> list[Finding]:
 
 
 def rule_scheduler(ctx: CheckContext) -> list[Finding]:
+    if not ctx.usable("VLLM_MAX_BATCHED_TOKENS", "VLLM_MAX_NUM_SEQS", "VLLM_MAX_MODEL_LEN",
+                      "MAMBA_CACHE_BLOCKS"):
+        return []
     out: list[Finding] = []
     batched = ctx.int("VLLM_MAX_BATCHED_TOKENS")
     seqs = ctx.int("VLLM_MAX_NUM_SEQS")
@@ -279,6 +295,8 @@ def rule_scheduler(ctx: CheckContext) -> list[Finding]:
 
 
 def rule_parallelism(ctx: CheckContext) -> list[Finding]:
+    if not ctx.usable("VLLM_TP", "GPU_COUNT"):
+        return []
     out: list[Finding] = []
     tp = ctx.int("VLLM_TP") or 1
     gpus = ctx.int("GPU_COUNT")
@@ -312,6 +330,9 @@ def rule_parallelism(ctx: CheckContext) -> list[Finding]:
 
 def rule_memory(ctx: CheckContext) -> list[Finding]:
     """Weights + KV at max_model_len + overhead against usable memory per GPU."""
+    if not ctx.usable("VLLM_TP", "VLLM_GPU_MEM_UTIL", "VLLM_MAX_MODEL_LEN", "GPU_VRAM_GIB",
+                      "VLLM_KV_CACHE_DTYPE", "VLLM_MAX_NUM_SEQS", "MODEL_WEIGHT_GIB"):
+        return []
     facts = ctx.facts
     vram = ctx.float("GPU_VRAM_GIB")
     util = ctx.float("VLLM_GPU_MEM_UTIL")
@@ -394,6 +415,8 @@ def _parse_tuned_name(name: str) -> dict[str, str] | None:
 
 
 def rule_tuned_configs(ctx: CheckContext) -> list[Finding]:
+    if not ctx.usable("VLLM_TP"):
+        return []
     out: list[Finding] = []
     facts = ctx.facts
     tp = ctx.int("VLLM_TP") or 1
