@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -510,3 +511,33 @@ def test_verify_mode_json_shape(tmp_path: Path, upstream: Upstream) -> None:
     assert data["patches"][0]["status"] == "applies"
     assert data["patches"][0]["files"] == ["a.py"]
     assert data["hashes"]["gone.py"] is None and len(data["hashes"]["a.py"]) == 64
+
+
+# --- the invoke task ---------------------------------------------------------------------------
+
+def test_invoke_verify_patches_json_and_exit_code(proj: Project, upstream: Upstream) -> None:
+    shutil.copy(ROOT / "tasks.py", proj.root / "tasks.py")
+    (proj.root / "scripts").mkdir()
+    shutil.copy(TOOL, proj.root / "scripts" / "apply-patches.py")
+    folder = proj.patches / "vllm"
+    write_patch(folder, "0010-a.patch", upstream.diff({"a.py": ("a3\n", "A3\n")}))
+
+    def invoke(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "invoke", "verify-patches", *args],
+                              cwd=proj.root, capture_output=True, text=True, check=False)
+
+    done = invoke("--json")
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    assert data["vllm"]["patches"] == [{"name": "0010-a.patch", "status": "applies",
+                                        "detail": ""}]
+    assert set(data) == {"vllm", "aiter", "flash-attention"}
+    assert {"repo", "ref", "patches", "overlays"} <= set(data["vllm"])
+    upstream.write({"a.py": numbered("a").replace("a3\n", "A3\n")})
+    upstream.commit("merged")
+    git(upstream.path, "tag", "v2")
+    done = invoke("--ref", "vllm=v2")
+    assert done.returncode == 1
+    assert "upstream      patch   0010-a.patch" in done.stdout
+    done = invoke("--ref", "vlm=v2")
+    assert done.returncode == 1 and "unknown component 'vlm'" in done.stderr
