@@ -523,8 +523,8 @@ def _prepare_runtime(stack: Stack, command: ServeCommand, *, dry_run: bool) -> l
                 if image.startswith("localhost/vllm-fullbuild") else
                 f"pull it ({engine.cli.engine} pull {image}) or set VLLM_IMAGE")
         raise LifecycleError(f"the engine image {image} does not exist on this host", hint)
-    labels = build.read_image_labels(stack.runner, engine.cli.engine, image) or {}
-    for finding in build.image_label_findings(stack.project, resolved, labels or None):
+    labels = build.read_image_labels(stack.runner, engine.cli.engine, image)
+    for finding in build.image_label_findings(stack.project, resolved, labels):
         if finding.severity != "info":
             print(finding.render(), file=stack.out)
     ids = compose.detect_host_ids(resolved)
@@ -536,7 +536,7 @@ def _prepare_runtime(stack: Stack, command: ServeCommand, *, dry_run: bool) -> l
         raise LifecycleError(str(exc)) from exc
     override, notes = compose.build_override(
         stack.project, resolved, command, runtime=engine.cli.runtime, ids=ids, paths=paths,
-        package_dir=labels.get(compose.PACKAGE_LABEL))
+        package_dir=(labels or {}).get(compose.PACKAGE_LABEL))
     env = compose.interpolation_env(resolved, ids, paths)
     rendered = compose.write_rendered(stack.project, resolved, command, override, env, notes)
     for note in notes:
