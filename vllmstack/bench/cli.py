@@ -128,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--history-dir", type=Path)
     p.add_argument("--out", type=Path, help="write the markdown here (charts next to it)")
     p.add_argument("--png", action="store_true", help="also draw PNG charts")
+    p.add_argument("--json", action="store_true", help="print {markdown, charts} as JSON")
     return parser
 
 

@@ -1,10 +1,11 @@
 """Stability runs: smoke (does it answer at all), stress (sustained load, nothing lost) and long
 (long context, output checked for token loops). Each prints a pass/fail table.
 
-Token-loop detection looks at words: vocabulary richness (distinct / total words) and the share of
-word n-grams that repeat an earlier n-gram. A looping model repeats the same few n-grams, so the
-repeat share goes to 1; ordinary text, even text with a small vocabulary, rarely repeats long
-n-grams.
+Token-loop detection looks at words: the share of word n-grams (6 words) that repeat an earlier
+n-gram, and vocabulary richness (distinct / total words). A looping model repeats the same few
+n-grams, so the repeat share goes towards 1; ordinary text, even text with a small vocabulary,
+rarely repeats a 6-word sequence. Richness is reported (the old stability scripts used it) but
+does not decide by default: it falls with length and vocabulary size, not only with loops.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class LoopCheck:
 
 
 def check_loop(
-    text: str, *, ngram: int = 6, max_repeat_share: float = 0.3, min_richness: float = 0.1,
+    text: str, *, ngram: int = 6, max_repeat_share: float = 0.3, min_richness: float = 0.0,
     min_words: int = 30,
 ) -> LoopCheck:
     """Decide whether generated text is stuck in a token loop."""
@@ -196,7 +197,7 @@ async def run_long(ctx: StabilityContext) -> Verdict:
             continue
         check = check_loop(result.text(), ngram=int(ctx.param("ngram", 6)),
                            max_repeat_share=float(ctx.param("max_repeat_share", 0.3)),
-                           min_richness=float(ctx.param("min_richness", 0.1)))
+                           min_richness=float(ctx.param("min_richness", 0.0)))
         v.expect(f"run {run}: no token loop", not check.looped,
                  "loop" if check.looped else "ok", check.describe())
         ctx.progress(f"long run {run}/{runs}: {result.prompt_tokens} prompt tokens, "
