@@ -327,6 +327,12 @@ def test_bench_command_argv(tmp_path: Path) -> None:
         "--pp", "512", "--tg", "32", "--json"]
     assert "--tokenizer" not in bench_command(python="/py", engine_url="http://e:1",
                                               history_dir=tmp_path, model=lambda: "m")("conc", {})
+    # The profile's max_num_seqs tops the concurrency ladder unless the page asks for another.
+    conc = bench_command(python="/py", engine_url="http://e:1", history_dir=tmp_path,
+                         model=lambda: "m", max_num_seqs=16)
+    assert conc("conc", {"duration": 5.0})[-5:] == ["--duration", "5.0", "--max-num-seqs", "16",
+                                                    "--json"]
+    assert conc("conc", {"max_num_seqs": 4})[-3:] == ["--max-num-seqs", "4", "--json"]
 
 
 def free_port() -> int:

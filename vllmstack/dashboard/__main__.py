@@ -16,6 +16,13 @@ from pathlib import Path
 from vllmstack.dashboard.app import DashboardError, DashboardSettings
 
 
+def _int_or_none(raw: str | None) -> int | None:
+    try:
+        return int(raw) if raw else None
+    except ValueError:
+        return None
+
+
 def parse_settings(argv: Sequence[str], environ: Mapping[str, str]) -> DashboardSettings:
     parser = argparse.ArgumentParser(
         prog="python -m vllmstack.dashboard",
@@ -37,6 +44,10 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Dashboard
                         help="served model name for runs (default: ask the engine's /v1/models)")
     parser.add_argument("--tokenizer", default=environ.get("VLLM_TOKENIZER") or None,
                         help="tokenizer path or id for runs (default: VLLM_TOKENIZER)")
+    parser.add_argument("--max-num-seqs", type=int,
+                        default=_int_or_none(environ.get("VLLM_MAX_NUM_SEQS")),
+                        help="the engine's max_num_seqs: top of the concurrency ladder "
+                             "(default: VLLM_MAX_NUM_SEQS)")
     parser.add_argument("--poll-interval", type=float, default=1.0,
                         help="seconds between /metrics polls while the engine answers")
     args = parser.parse_args(list(argv))
@@ -49,6 +60,7 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Dashboard
         token=environ.get("DASHBOARD_TOKEN", ""),
         model=args.model,
         tokenizer=args.tokenizer,
+        max_num_seqs=args.max_num_seqs,
         poll_interval=args.poll_interval,
     )
 
@@ -90,6 +102,7 @@ def settings_from_profile(
         port=port or int(values.get("DASHBOARD_PORT") or 8083),
         token=values.get("DASHBOARD_TOKEN") or "",
         tokenizer=tokenizer,
+        max_num_seqs=_int_or_none(values.get("VLLM_MAX_NUM_SEQS")) if engine_url is None else None,
     )
 
 

@@ -89,6 +89,7 @@ class DashboardSettings:
     token: str = ""
     model: str | None = None
     tokenizer: str | None = None
+    max_num_seqs: int | None = None
     poll_interval: float = 1.0
     max_backoff: float = 8.0
     ring_size: int = 900
@@ -165,6 +166,7 @@ class RunOptions(BaseModel):
     tg: int | None = Field(default=None, ge=1, le=1_000_000)
     runs: int | None = Field(default=None, ge=1, le=100)
     duration: float | None = Field(default=None, gt=0, le=86_400)
+    max_num_seqs: int | None = Field(default=None, ge=1, le=65_536)
 
 
 def create_app(
@@ -249,7 +251,8 @@ def create_app(
 
     builder = build_command or bench_command(
         python=settings.python, engine_url=settings.engine_url,
-        history_dir=settings.history_dir, model=model_name, tokenizer=settings.tokenizer)
+        history_dir=settings.history_dir, model=model_name, tokenizer=settings.tokenizer,
+        max_num_seqs=settings.max_num_seqs)
     child_env = dict(environ) if environ is not None else None
     if child_env is not None:
         child_env.setdefault("PYTHONUNBUFFERED", "1")
@@ -323,6 +326,7 @@ def create_app(
             "engine_url": settings.engine_url,
             "model": settings.model or card.get("id"),
             "max_model_len": card.get("max_model_len"),
+            "max_num_seqs": settings.max_num_seqs,
             "auth_required": settings.auth_required,
             "exposed_on": settings.exposed_on,
             "run_kinds": list(RUN_KINDS),

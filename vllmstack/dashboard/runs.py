@@ -292,8 +292,13 @@ def bench_command(
     history_dir: Path,
     model: Callable[[], str],
     tokenizer: str | None = None,
+    max_num_seqs: int | None = None,
 ) -> CommandBuilder:
-    """The real builder: `python -m vllmstack.bench KIND --url ... --json` plus the options."""
+    """The real builder: `python -m vllmstack.bench KIND --url ... --json` plus the options.
+
+    `max_num_seqs` (the engine's limit, from the profile) sizes the concurrency ladder unless
+    the page asks for another top.
+    """
 
     def build(kind: str, options: Mapping[str, Any]) -> list[str]:
         argv = [python, "-m", "vllmstack.bench", kind, "--url", engine_url, "--model", model()]
@@ -304,6 +309,9 @@ def bench_command(
             value = options.get(name)
             if value is not None:
                 argv += [f"--{name}", str(value)]
+        seqs = options.get("max_num_seqs") or max_num_seqs
+        if seqs:
+            argv += ["--max-num-seqs", str(seqs)]
         argv.append("--json")
         return argv
 

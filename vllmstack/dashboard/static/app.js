@@ -10,9 +10,10 @@ const KINDS = {
   bench: { title: "Benchmark: prompt and generation speed", x: "time",
            fields: [["pp", "prompt tokens"], ["tg", "generated tokens"], ["runs", "runs"]] },
   depth: { title: "Depth sweep: speed as the context fills", x: "depth",
-           fields: [["pp", "prompt tokens"], ["tg", "generated tokens"]] },
+           fields: [["pp", "prompt tokens"], ["tg", "generated tokens"], ["runs", "runs"]] },
   conc: { title: "Concurrency sweep: speed under parallel load", x: "concurrency",
-          fields: [["duration", "seconds per rung"]] },
+          fields: [["pp", "prompt tokens"], ["tg", "generated tokens"], ["duration", "seconds per rung"],
+                   ["max_num_seqs", "max concurrency"]] },
 };
 
 const state = {
@@ -185,8 +186,8 @@ function renderMetrics(m) {
   const note = $("down-note");
   if (!m.engine_up) {
     const since = isNum(m.down_since) ? ` since ${clock(m.down_since)}` : "";
-    note.textContent = `The engine does not answer${since}: ${m.error || "no reply"}. ` +
-      `Retrying every ${Math.round(m.retry_in || 1)} s.`;
+    note.textContent = `The engine has not answered${since}: ${m.error || "no reply"}. ` +
+      `Next try in ${Math.round(m.retry_in || 1)} s.`;
     note.hidden = false;
   } else {
     note.hidden = true;
@@ -291,14 +292,17 @@ function rowsOf(record) {
 
 const COLUMNS = [
   ["time", "time"], ["model", "model"], ["pp", "pp"], ["tg", "tg"], ["depth", "depth"],
-  ["concurrency", "conc."], ["ttft", "TTFT ms"], ["pp_tps", "pp t/s"], ["tg_tps", "tg t/s"],
-  ["itl", "ITL p50 ms"], ["actions", ""],
+  ["concurrency", "concurrency"], ["ttft", "TTFT ms"], ["pp_tps", "pp t/s"], ["tg_tps", "tg t/s"],
+  ["total_tps", "total tg t/s"], ["itl", "ITL p50 ms"], ["actions", ""],
 ];
+// Columns that only mean something for one kind (a bench runs at depth 0, concurrency 1).
+const ONLY = { depth: "depth", concurrency: "conc", total_tps: "conc" };
+const columnsFor = (kind) => COLUMNS.filter(([key]) => !ONLY[key] || ONLY[key] === kind);
 
 function cell(key, row) {
   const v = row[key];
   if (["ttft", "itl"].includes(key)) return isNum(v) ? v.toFixed(1) : "–";
-  if (["pp_tps", "tg_tps"].includes(key)) return rate(v);
+  if (["pp_tps", "tg_tps", "total_tps"].includes(key)) return rate(v);
   return isNum(v) ? String(v) : "–";
 }
 
@@ -309,13 +313,14 @@ function renderRecords(kind, records) {
   const newest = [...records].sort((a, b) => (b.ts || 0) - (a.ts || 0));
   const thead = k.node.querySelector("thead");
   const tbody = k.node.querySelector("tbody");
-  thead.replaceChildren(el("tr", {}, ...COLUMNS.map(([, label]) => el("th", {}, label))));
+  const columns = columnsFor(kind);
+  thead.replaceChildren(el("tr", {}, ...columns.map(([, label]) => el("th", {}, label))));
   tbody.replaceChildren();
   for (const record of newest) {
     const fresh = seen !== null && !seen.has(record.id);
     rowsOf(record).forEach((row, i) => {
       const tr = el("tr", { class: fresh ? "new-record" : "", "data-record": record.id || "" });
-      for (const [key] of COLUMNS) {
+      for (const [key] of columns) {
         if (key === "time") tr.append(el("td", {}, i === 0 ? when(record.ts) : ""));
         else if (key === "model") tr.append(el("td", {}, i === 0 ? (record.model || record.served_model || "–") : ""));
         else if (key === "actions") tr.append(i === 0 ? actionsCell(kind, record) : el("td"));
@@ -340,7 +345,7 @@ function actionsCell(kind, record) {
       try {
         await api(`api/history/${kind}/${id}`, { method: "DELETE", write: true });
         await refreshHistory(kind, true);
-      } catch (err) { setStatus(kind, explain(err), "down"); }
+      } catch (err) { showNotice(kind, explain(err)); }
     },
   }, "delete");
   return el("td", { class: "actions" }, download, del);
@@ -364,12 +369,12 @@ function renderKindChart(kind, newest) {
     pp = rows.map((r) => r.pp_tps);
     tg = rows.map((r) => (kind === "conc" && isNum(r.total_tps) ? r.total_tps : r.tg_tps));
   }
-  const tgLabel = kind === "conc" ? "generated t/s" : "generated t/s (per request)";
+  const tgLabel = kind === "conc" ? "generated t/s, all requests" : "generated t/s (per request)";
   if (!k.chart) {
     k.chart = new Chart(k.node.querySelector("canvas"), {
       type: KINDS[kind].x === "time" ? "line" : "bar",
       data: { labels, datasets: [
-        { label: "prompt t/s", data: pp, borderColor: "#2f6fdb", backgroundColor: "#2f6fdbaa" },
+        { label: "prompt t/s (per request)", data: pp, borderColor: "#2f6fdb", backgroundColor: "#2f6fdbaa" },
         { label: tgLabel, data: tg, borderColor: "#d9822b", backgroundColor: "#d9822baa", yAxisID: "y1" },
       ] },
       options: {
@@ -398,7 +403,7 @@ async function refreshHistory(kind, force = false) {
     if (res.status === 304) return;
     k.etag = res.headers.get("ETag");
     renderRecords(kind, (await res.json()).records);
-  } catch (err) { setStatus(kind, `history: ${explain(err)}`, "down"); }
+  } catch (err) { showNotice(kind, `history: ${explain(err)}`); }
 }
 
 function refreshAllHistory() { Object.keys(KINDS).forEach((kind) => refreshHistory(kind)); }
@@ -409,6 +414,11 @@ function setStatus(kind, text, tone) {
   const badge = state.kinds[kind].node.querySelector(".run-status");
   badge.textContent = text;
   badge.className = `run-status badge ${tone ? `badge-${tone}` : ""}`;
+}
+
+function showNotice(kind, text) {
+  state.kinds[kind].notice = text;
+  setStatus(kind, text, "down");
 }
 
 function renderRuns(data) {
@@ -423,9 +433,16 @@ function renderRuns(data) {
     const atEnd = log.scrollTop + log.clientHeight >= log.scrollHeight - 4;
     log.textContent = run.log || "";
     if (atEnd) log.scrollTop = log.scrollHeight;
+    // The log opens while its run is active and folds away when it ends (the record is below).
+    const box = k.node.querySelector(".run-log-box");
+    if (mine && !k.wasRunning) box.open = true;
+    if (!mine && k.wasRunning) box.open = false;
+    box.hidden = !run.log;
+    k.wasRunning = mine;
     if (mine) {
       setStatus(kind, `${run.status} · ${Math.round(run.elapsed || 0)} s`, "run");
-      k.node.querySelector(".run-log-box").open = true;
+    } else if (k.notice) {
+      setStatus(kind, k.notice, "down");  // why the last click did nothing, until the next one
     } else if (run.status === "idle") {
       setStatus(kind, data.active ? `waiting: a ${data.active} run is active` : "idle", "");
     } else {
@@ -456,10 +473,12 @@ async function startRun(kind, form) {
     const raw = form.elements[name].value.trim();
     if (raw !== "") body[name] = Number(raw);
   }
+  const k = state.kinds[kind];
   try {
     await api(`api/runs/${kind}`, { method: "POST", body, write: true });
+    k.notice = null;
   } catch (err) {
-    setStatus(kind, err.status === 409 ? `busy: ${err.message}` : explain(err), "down");
+    k.notice = err.status === 409 ? `busy: ${err.message}` : explain(err);
   }
   pollRuns();
 }
@@ -470,7 +489,8 @@ async function cancelRun(kind) {
   setStatus(kind, "cancelling…", "run");
   try {
     await api(`api/runs/${kind}/cancel`, { method: "POST", write: true });
-  } catch (err) { setStatus(kind, explain(err), "down"); }
+    state.kinds[kind].notice = null;
+  } catch (err) { state.kinds[kind].notice = explain(err); }
   pollRuns();
 }
 
@@ -495,10 +515,10 @@ function setupKinds() {
       try {
         await api(`api/history/${kind}/clear`, { method: "POST", write: true });
         await refreshHistory(kind, true);
-      } catch (err) { setStatus(kind, explain(err), "down"); }
+      } catch (err) { showNotice(kind, explain(err)); }
     });
     panel.append(node);
-    state.kinds[kind] = { node, etag: null, ids: null, chart: null };
+    state.kinds[kind] = { node, etag: null, ids: null, chart: null, wasRunning: false, notice: null };
   }
 }
 
@@ -514,6 +534,9 @@ async function main() {
     state.pollDelay = state.baseDelay;
     setText("engine-url", state.info.engine_url);
     setupAuth(state.info);
+    // The concurrency ladder needs the engine's max_num_seqs; the profile's is the default.
+    const seqs = state.kinds.conc.node.querySelector('input[name="max_num_seqs"]');
+    seqs.placeholder = state.info.max_num_seqs ? String(state.info.max_num_seqs) : "required";
   } catch (_) { /* shown by the first poll */ }
   await loadRing();
   pollMetrics();
