@@ -122,6 +122,27 @@ def test_page_shows_live_numbers_and_runs_benchmarks(stack: str) -> None:
                 timeout=15_000)
             assert page.locator("#req-running").inner_text() != "–"
             assert page.locator("#kv-pct").inner_text().endswith("%")
+
+            # A hidden tab stops polling; showing it again resumes at once.
+            def metric_polls() -> int:
+                return sum(1 for url in requested if url.endswith("/api/metrics"))
+
+            page.evaluate("""() => {
+                Object.defineProperty(document, "hidden", {value: true, configurable: true});
+                document.dispatchEvent(new Event("visibilitychange"));
+            }""")
+            time.sleep(0.6)  # a poll already in flight may still land
+            before = metric_polls()
+            time.sleep(2.5)
+            assert metric_polls() == before
+            page.evaluate("""() => {
+                Object.defineProperty(document, "hidden", {value: false, configurable: true});
+                document.dispatchEvent(new Event("visibilitychange"));
+            }""")
+            deadline = time.monotonic() + 5
+            while metric_polls() == before and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert metric_polls() > before
             time.sleep(3)  # a few more points on the charts for the screenshot
             page.evaluate("window.scrollTo(0, 0)")
             page.screenshot(path=str(ARTIFACTS / "dashboard-live.png"), full_page=True)
@@ -208,6 +229,13 @@ def test_page_explains_the_token_and_the_engine_outage(guarded: str) -> None:
 
             page.click("#tab-live")
             expect(page.locator("#engine-badge")).to_have_text("engine: down", timeout=10_000)
+            # While the engine is down the page backs off (2, 4, 8, 10 s) instead of polling
+            # every 0.5 s: at most a handful of polls in 6 s, not twelve.
+            polls: list[str] = []
+            page.on("request", lambda r: polls.append(r.url)
+                    if r.url.endswith("/api/metrics") else None)
+            time.sleep(6)
+            assert len(polls) <= 4, polls
             note = page.locator("#down-note")
             expect(note).to_contain_text("The engine has not answered")
             expect(note).to_contain_text("127.0.0.1:9/metrics")
