@@ -374,3 +374,184 @@ def import_env(c: Context, file: str, name: str | None = None, extends: str | No
         except FileExistsError as exc:
             raise Exit(f"error: {exc}", code=1) from exc
         print(f"wrote {written}; next: invoke check --model {name}")
+
+
+# --- benchmarks ---------------------------------------------------------------------------
+# Every benchmark task builds the argv of `python -m vllmstack.bench` and calls its main(), so
+# the tasks, the dashboard and the module entry run the same code. Here --model is the served
+# model name (the bench contract); --profile picks the model profile.
+
+BENCH_HELP = {
+    "url": "server root, e.g. http://127.0.0.1:8000 (default: the running stack)",
+    "model": "served model name (default: VLLM_SERVED_NAME of the profile)",
+    "tokenizer": "tokenizer.json, model folder or cached HF id; never downloaded",
+    "profile": "model profile when targeting the stack (env/models/NAME.env)",
+    "platform": "platform layer when targeting the stack",
+    "set": "profile override KEY=VALUE, repeatable",
+    "history_dir": "history folder (default: benchmarks/)",
+    "json": "print one JSON document on stdout (progress goes to stderr)",
+}
+RUN_HELP = {**BENCH_HELP, "pp": "prompt tokens (repeatable in bench)",
+            "tg": "generated tokens (repeatable in bench)", "runs": "measured runs per cell",
+            "extra_body": "JSON object merged into every request"}
+
+
+def _flags(pairs: list[tuple[str, Any]]) -> list[str]:
+    argv: list[str] = []
+    for flag, value in pairs:
+        if isinstance(value, list):
+            argv += [flag, *map(str, value)] if value else []
+        elif value is True:
+            argv.append(flag)
+        elif value not in (None, False, ""):
+            argv += [flag, str(value)]
+    return argv
+
+
+def _bench_cli(command: list[str], target: dict[str, Any], extra: list[tuple[str, Any]]) -> None:
+    from vllmstack.bench.cli import main
+
+    argv = [*command, *_flags(list(target.items())), *_flags(extra)]
+    code = main(argv)
+    if code:
+        raise Exit(code=code)
+
+
+def _target(url: str | None, model: str | None, tokenizer: str | None, profile: str | None,
+            platform: str | None, history_dir: str | None, json_out: bool) -> dict[str, Any]:
+    return {"--url": url, "--model": model, "--tokenizer": tokenizer, "--profile": profile,
+            "--platform": platform, "--history-dir": history_dir, "--json": json_out}
+
+
+def _sets(sets: list[str] | None) -> list[tuple[str, Any]]:
+    return [("--set", item) for item in sets or []]
+
+
+@task(iterable=["pp", "tg", "set"], help=RUN_HELP)
+def bench(c: Context, url: str | None = None, model: str | None = None,
+          tokenizer: str | None = None, pp: list[str] | None = None,
+          tg: list[str] | None = None, runs: int = 3, extra_body: str | None = None,
+          profile: str | None = None, platform: str | None = None,
+          set: list[str] | None = None,  # the CLI flag is --set
+          history_dir: str | None = None, json: bool = False) -> None:
+    """pp/tg matrix at concurrency 1: TTFT, pp t/s, decode t/s, ITL p50/p90/p99, mean ± spread."""
+    _bench_cli(["bench"], _target(url, model, tokenizer, profile, platform, history_dir, json),
+               [("--pp", pp), ("--tg", tg), ("--runs", runs), ("--extra-body", extra_body),
+                *_sets(set)])
+
+
+@task(iterable=["depth", "set"], help={
+    **RUN_HELP, "depth": "explicit depth, repeatable (default: ladder from live max_model_len)",
+    "prefix_caching": "auto | on (two-phase, cache hit checked) | off (blended)",
+    "margin": "tokens kept free at the top of the window"})
+def bench_depth(c: Context, url: str | None = None, model: str | None = None,
+                tokenizer: str | None = None, pp: int = 2048, tg: int = 128, runs: int = 2,
+                depth: list[str] | None = None, prefix_caching: str = "auto", margin: int = 256,
+                extra_body: str | None = None, profile: str | None = None,
+                platform: str | None = None,
+                set: list[str] | None = None,  # the CLI flag is --set
+                history_dir: str | None = None, json: bool = False) -> None:
+    """Decode and prefill speed over a context-depth ladder (powers of two up to the window)."""
+    _bench_cli(["depth"], _target(url, model, tokenizer, profile, platform, history_dir, json),
+               [("--pp", pp), ("--tg", tg), ("--runs", runs), ("--depth", depth),
+                ("--prefix-caching", prefix_caching), ("--margin", margin),
+                ("--extra-body", extra_body), *_sets(set)])
+
+
+@task(iterable=["concurrency", "set"], help={
+    **{k: v for k, v in RUN_HELP.items() if k != "runs"},
+    "concurrency": "explicit level, repeatable (default: ladder up to max_num_seqs)",
+    "duration": "closed-loop seconds per level", "max_num_seqs": "override VLLM_MAX_NUM_SEQS"})
+def bench_conc(c: Context, url: str | None = None, model: str | None = None,
+               tokenizer: str | None = None, pp: int = 2048, tg: int = 128,
+               concurrency: list[str] | None = None, duration: float = 30.0,
+               max_num_seqs: int | None = None, extra_body: str | None = None,
+               profile: str | None = None, platform: str | None = None,
+               set: list[str] | None = None,  # the CLI flag is --set
+               history_dir: str | None = None, json: bool = False) -> None:
+    """Closed-loop concurrency ladder: steady load per level, total and per-request speed."""
+    _bench_cli(["conc"], _target(url, model, tokenizer, profile, platform, history_dir, json),
+               [("--pp", pp), ("--tg", tg), ("--concurrency", concurrency),
+                ("--duration", duration), ("--max-num-seqs", max_num_seqs),
+                ("--extra-body", extra_body), *_sets(set)])
+
+
+@task(iterable=["param", "set"], help={
+    **BENCH_HELP, "name": "itl-stall | tool-truncation | thinkoff | prefix-cache | multi-image",
+    "param": "probe setting KEY=VALUE, repeatable (e.g. victims=3, max_choke=8)"})
+def probe(c: Context, name: str, url: str | None = None, model: str | None = None,
+          tokenizer: str | None = None, param: list[str] | None = None,
+          profile: str | None = None, platform: str | None = None,
+          set: list[str] | None = None,  # the CLI flag is --set
+          history_dir: str | None = None, json: bool = False) -> None:
+    """Run one regression probe; exit 0 pass, 1 fail, 2 inconclusive."""
+    _bench_cli(["probe", name], _target(url, model, tokenizer, profile, platform, history_dir,
+                                        json),
+               [*[("--param", p) for p in param or []], *_sets(set)])
+
+
+@task(iterable=["param", "set"], help={
+    **BENCH_HELP, "mode": "smoke | stress | long", "workers": "stress: parallel workers",
+    "requests": "stress: requests per worker", "max_tokens": "tokens per answer",
+    "runs": "long: runs", "param": "other setting KEY=VALUE, e.g. context_tokens=30000"})
+def stability(c: Context, mode: str, url: str | None = None, model: str | None = None,
+              tokenizer: str | None = None, workers: int | None = None,
+              requests: int | None = None, max_tokens: int | None = None,
+              runs: int | None = None, param: list[str] | None = None,
+              profile: str | None = None, platform: str | None = None,
+              set: list[str] | None = None,  # the CLI flag is --set
+              history_dir: str | None = None, json: bool = False) -> None:
+    """Stability run with a pass/fail table; exit 0 pass, 1 fail, 2 inconclusive."""
+    _bench_cli(["stability", mode], _target(url, model, tokenizer, profile, platform, history_dir,
+                                            json),
+               [("--workers", workers), ("--requests", requests), ("--max-tokens", max_tokens),
+                ("--runs", runs), *[("--param", p) for p in param or []], *_sets(set)])
+
+
+@task(iterable=["kind"], help={
+    "kind": "bench | depth | conc | probe | stability, repeatable (default: all)",
+    "last": "records per kind", "out": "write the markdown to this file",
+    "png": "also draw PNG charts (next to --out, else generated/report/)",
+    "history_dir": "history folder (default: benchmarks/)",
+    "json": "print {markdown, charts} as JSON"})
+def report(c: Context, kind: list[str] | None = None, last: int = 20, out: str | None = None,
+           png: bool = False, history_dir: str | None = None, json: bool = False) -> None:
+    """Markdown tables (and PNG charts) from the benchmark history."""
+    _bench_cli(["report"], {"--history-dir": history_dir, "--json": json},
+               [("--kind", kind), ("--last", last), ("--out", out), ("--png", png)])
+
+
+# --- native runtime --------------------------------------------------------------------------
+
+@task(help={
+    **JSON_HELP,
+    "engine": "engine to install (vllm)",
+    "version": "engine version (default: NATIVE_ENGINE_VERSION, else VLLM_VERSION)",
+    "wheels": "install offline from this folder of wheels (AMD's ROCm wheels, a prebuilt bundle)",
+    "index_deps": "with --wheels: take dependencies missing from the folder from the package index",
+    "python": "interpreter the environment is made from (default: the one running invoke)",
+    "force": "replace an environment that is already installed",
+    "dry_run": "print the commands instead of running them",
+})
+def install_engine(c: Context, engine: str = "vllm", version: str | None = None,
+                   wheels: str | None = None, index_deps: bool = False, python: str | None = None,
+                   force: bool = False, dry_run: bool = False, json: bool = False) -> None:
+    """Create the native runtime's engine environment (.cache/engines/vllm-VERSION) with the pinned vLLM."""
+    from pathlib import Path
+
+    from vllmstack import engines
+
+    project = _project()
+    try:
+        report = engines.install_engine(
+            project, _runner(dry_run), engine=engine,
+            version=version or engines.engine_version(_resolve(None, None, None)),
+            wheels=Path(wheels).expanduser() if wheels else None, index_deps=index_deps,
+            force=force, python=python or sys.executable, environ=os.environ,
+            out=sys.stderr if json else sys.stdout)
+    except engines.EngineInstallError as exc:
+        raise Exit(exc.render(), code=1) from exc
+    if json:
+        _print_json(report.as_json())
+    else:
+        print(engines.render_install(report, project))
