@@ -432,7 +432,7 @@ def open_stack(
     probe = probe or probe_for(resolved.get("GPU_VENDOR") or "none", runner,
                                unified_memory=as_bool(resolved.get("UNIFIED_MEMORY")))
     if requested == "native":
-        from vllmstack import native  # type: ignore[attr-defined]
+        from vllmstack import native
 
         engine: EngineRuntime = native.NativeEngine.for_stack(project, resolved, environ, runner)
     else:
@@ -479,7 +479,8 @@ def up(stack: Stack, *, timeout: float | None = None, force: bool = False, dashb
     try:
         stack.engine.start()
     except Exception as exc:  # the runtime's own error type carries compose's message
-        raise LifecycleError(str(exc), _start_fix(stack)) from exc
+        # A runtime error may carry its own fix (the native runtime's do).
+        raise LifecycleError(str(exc), getattr(exc, "fix", None) or _start_fix(stack)) from exc
     write_state(stack.project, {
         "runtime": stack.engine.name, "flavour": stack.engine.flavour,
         "profile": resolved.profile, "platform": resolved.platform,
@@ -670,6 +671,11 @@ def logs(stack: Stack, *, follow: bool = True, tail: int = 200, service: str = "
         argv = engine.compose("--profile", "dashboard", "logs", "--tail", str(tail),
                               *(["-f"] if follow else []), service)
         return stack.runner.run(argv, capture=False, mutates=False).returncode
+    from vllmstack import native
+
+    if isinstance(engine, native.NativeEngine) and service == "vllm":
+        return stack.runner.run(engine.log_command(tail=tail, follow=follow), capture=False,
+                                mutates=False).returncode
     for line in engine.log_lines(tail):
         print(line, file=stack.out)
     return 0
