@@ -131,9 +131,10 @@ def test_page_shows_live_numbers_and_runs_benchmarks(stack: str) -> None:
                 Object.defineProperty(document, "hidden", {value: true, configurable: true});
                 document.dispatchEvent(new Event("visibilitychange"));
             }""")
-            time.sleep(0.6)  # a poll already in flight may still land
+            # Playwright delivers request events only inside its own calls: wait with it.
+            page.wait_for_timeout(600)  # a poll already in flight may still land
             before = metric_polls()
-            time.sleep(2.5)
+            page.wait_for_timeout(2500)
             assert metric_polls() == before
             page.evaluate("""() => {
                 Object.defineProperty(document, "hidden", {value: false, configurable: true});
@@ -141,9 +142,9 @@ def test_page_shows_live_numbers_and_runs_benchmarks(stack: str) -> None:
             }""")
             deadline = time.monotonic() + 5
             while metric_polls() == before and time.monotonic() < deadline:
-                time.sleep(0.1)
+                page.wait_for_timeout(100)
             assert metric_polls() > before
-            time.sleep(3)  # a few more points on the charts for the screenshot
+            page.wait_for_timeout(3000)  # a few more points on the charts for the screenshot
             page.evaluate("window.scrollTo(0, 0)")
             page.screenshot(path=str(ARTIFACTS / "dashboard-live.png"), full_page=True)
 
@@ -234,7 +235,7 @@ def test_page_explains_the_token_and_the_engine_outage(guarded: str) -> None:
             polls: list[str] = []
             page.on("request", lambda r: polls.append(r.url)
                     if r.url.endswith("/api/metrics") else None)
-            time.sleep(6)
+            page.wait_for_timeout(6000)
             assert len(polls) <= 4, polls
             note = page.locator("#down-note")
             expect(note).to_contain_text("The engine has not answered")
