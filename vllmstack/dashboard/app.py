@@ -222,7 +222,10 @@ def create_app(
 
     async def poll_forever() -> None:
         while True:
-            await poll_once()
+            try:
+                await poll_once()
+            except Exception as exc:  # a bug in one poll must not end live metrics for good
+                print(f"dashboard: metrics poll failed: {exc!r}", file=sys.stderr, flush=True)
             await asyncio.sleep(live.next_delay())
 
     def engine_models() -> dict[str, Any]:
