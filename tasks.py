@@ -548,7 +548,7 @@ def install_engine(c: Context, engine: str = "vllm", version: str | None = None,
             version=version or engines.engine_version(_resolve(None, None, None)),
             wheels=Path(wheels).expanduser() if wheels else None, index_deps=index_deps,
             force=force, python=python or sys.executable, environ=os.environ,
-            out=sys.stderr if json else sys.stdout)
+            out=sys.stderr if json else sys.stdout, stream=not json)
     except engines.EngineInstallError as exc:
         raise Exit(exc.render(), code=1) from exc
     if json:

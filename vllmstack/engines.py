@@ -84,14 +84,16 @@ def normalise_name(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+def parse_wheel(path: Path) -> Wheel | None:
+    match = WHEEL.match(path.name)
+    if not match:
+        return None
+    return Wheel(path, normalise_name(match["name"]), match["version"],
+                 tuple(match["py"].split(".")), match["abi"])
+
+
 def scan_wheels(folder: Path) -> list[Wheel]:
-    out = []
-    for path in sorted(folder.glob("*.whl")):
-        match = WHEEL.match(path.name)
-        if match:
-            out.append(Wheel(path, normalise_name(match["name"]), match["version"],
-                             tuple(match["py"].split(".")), match["abi"]))
-    return out
+    return [w for w in map(parse_wheel, sorted(folder.glob("*.whl"))) if w is not None]
 
 
 def wheel_fits_python(wheel: Wheel, python: tuple[int, int]) -> bool:
@@ -208,8 +210,13 @@ def install_engine(
     python: str,
     environ: Mapping[str, str],
     out: TextIO,
+    stream: bool = True,
 ) -> InstallReport:
-    """Create the engine's environment and install the pinned engine into it."""
+    """Create the engine's environment and install the pinned engine into it.
+
+    `stream` lets pip's progress reach the terminal; without it (JSON output) pip's output is
+    captured and its tail goes into the error.
+    """
     if engine not in ENGINES:
         raise EngineInstallError(f"unknown engine {engine!r}", f"use one of: {', '.join(ENGINES)}")
     if not version:
@@ -260,13 +267,14 @@ def install_engine(
     # User-site packages would shadow the environment's own (a seen huggingface-hub clash).
     pip_env = {**environ, "PYTHONNOUSERSITE": "1", "PIP_NO_INPUT": "1"}
     say(f"installing {engine}=={version} from {source} into {folder}")
-    installed = runner.run(pip, capture=False, env=pip_env)
+    installed = runner.run(pip, capture=not stream, env=pip_env)
     if not installed.ok:
         hint = ("the folder must hold every dependency too (or add --index-deps to take the missing "
                 "ones from the package index)" if wheels is not None and not index_deps else
-                "read pip's output above (no network? use --wheels DIR with downloaded wheels)")
+                "read pip's output (no network? use --wheels DIR with downloaded wheels)")
+        said = "" if stream else ":\n" + (installed.stderr or installed.stdout).strip()[-1500:]
         raise EngineInstallError(f"pip could not install {engine}=={version} (exit "
-                                 f"{installed.returncode}); {folder} is left unfinished", hint)
+                                 f"{installed.returncode}); {folder} is left unfinished{said}", hint)
     if dry_run:
         return report
     if not (folder / "bin" / engine).is_file():
