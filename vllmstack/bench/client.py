@@ -403,11 +403,20 @@ class ChatClient:
                     result.error = _error_text(response.status, await response.read())
                     result.t_end = clock()
                     return result
-                async for raw, now in response.iter_raw():
-                    state.feed(raw, now)
-                    if stop is not None and stop.is_set():
-                        result.stopped = True
-                        break
+                if stop is None:
+                    await response.stream(state.feed)
+                else:
+                    def feed_or_stop(data: bytes, now: float) -> None:
+                        state.feed(data, now)
+                        if stop.is_set() and not result.stopped:
+                            result.stopped = True
+                            response.abort()
+
+                    try:
+                        await response.stream(feed_or_stop)
+                    except HTTPError:
+                        if not result.stopped:  # closing it ourselves is not a failure
+                            raise
                 state.finish(clock())
         except HTTPTimeoutError as exc:
             result.error = f"timed out: {exc}"
