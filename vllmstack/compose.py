@@ -234,7 +234,27 @@ def build_override(
                      "runtime overlays and fp8 tuned configs are not mounted")
     if volumes:
         service["volumes"] = [_escape(v) for v in volumes]
-    return {"services": {ENGINE_SERVICE: service}}, notes
+    return {"services": {ENGINE_SERVICE: service,
+                         DASHBOARD_SERVICE: dashboard_service(resolved, paths)}}, notes
+
+
+def dashboard_service(resolved: Resolved, paths: StackPaths) -> dict[str, Any]:
+    """The dashboard's per-profile part: where the engine is, how exposed it is, what runs use."""
+    bind = resolved.get("DASHBOARD_BIND") or "127.0.0.1"
+    service: dict[str, Any] = {
+        "command": ["python", "-m", "vllmstack.dashboard", "--host", "0.0.0.0", "--port", "3000",
+                    # The app sees 0.0.0.0; what users reach is the host address it is published on.
+                    "--exposure", bind,
+                    "--engine-url", f"http://{ENGINE_SERVICE}:{resolved.get('VLLM_PORT') or 8180}",
+                    "--history-dir", "/app/benchmarks"],
+        "environment": {
+            "VLLM_TOKENIZER": _escape(resolved.get("VLLM_TOKENIZER") or resolved.get("VLLM_MODEL") or ""),
+            "VLLM_MAX_NUM_SEQS": resolved.get("VLLM_MAX_NUM_SEQS") or "",
+        },
+    }
+    if paths.models_dir is not None:
+        service["volumes"] = [f"{paths.models_dir}:{paths.models_dir}:ro"]
+    return service
 
 
 def _overlay_mounts(project: Project, package_dir: str, notes: list[str]) -> list[str]:

@@ -559,11 +559,7 @@ def dashboard_up(stack: Stack) -> None:
         raise LifecycleError("the stack was never rendered here", "run `invoke up` first")
     image = stack.resolved.get("DASHBOARD_IMAGE") or ""
     if not engine.image_exists(image):
-        result = stack.runner.run(engine.compose("--profile", "dashboard", "build", "dashboard"),
-                                  capture=False, timeout=1800)
-        if not result.ok:
-            raise LifecycleError(f"building the dashboard image {image} failed",
-                                 "read the build output above")
+        build_dashboard_image(stack, image)
     result = stack.runner.run(engine.compose("--profile", "dashboard", "up", "-d", "--no-deps",
                                              "dashboard"), timeout=300)
     if not result.ok:
@@ -571,6 +567,26 @@ def dashboard_up(stack: Stack) -> None:
     bind = stack.resolved.get("DASHBOARD_BIND") or "127.0.0.1"
     host = "localhost" if bind in ("127.0.0.1", "0.0.0.0") else bind
     print(f"dashboard at http://{host}:{stack.resolved.get('DASHBOARD_PORT')}", file=stack.out)
+
+
+# A system CA bundle handed to pip inside the build as a secret (never baked into the image), for
+# hosts behind a TLS-re-signing proxy; harmless elsewhere.
+CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
+
+
+def build_dashboard_image(stack: Stack, image: str) -> None:
+    """BuildKit build of Dockerfile.dashboard (compose v1's classic builder cannot do secrets)."""
+    docker = stack.resolved.get("DOCKER") or "docker"
+    argv = ["env", "DOCKER_BUILDKIT=1", docker, "build", "-f", "Dockerfile.dashboard", "-t", image,
+            "--build-arg", f"BASE_IMAGE={stack.resolved.get('DASHBOARD_BASE_IMAGE')}"]
+    if CA_BUNDLE.is_file():
+        argv += ["--secret", f"id=pip_cert,src={CA_BUNDLE}"]
+    result = stack.runner.run([*argv, "."], cwd=stack.project.root, capture=False, timeout=1800)
+    if not result.ok:
+        raise LifecycleError(
+            f"building the dashboard image {image} failed (see the build output above)",
+            "BuildKit is needed: set DOCKER=/usr/bin/docker in .env if your docker client lacks "
+            "buildx, or start the engine alone with --no-dashboard")
 
 
 def dashboard_down(stack: Stack) -> None:

@@ -8,10 +8,12 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import requests
 from conftest import ROOT, need
 
 SIM_IMAGE = "vllmstack/engine-sim:latest"
@@ -60,10 +62,13 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
     need(docker_ok(), "Docker engine, docker-compose and the simulator image are needed")
     root = tmp_path / "stack"
     root.mkdir()
-    for name in ("env", "chat-templates", "fp8_configs", "fused_moe_configs", "patches"):
+    for name in ("env", "chat-templates", "fp8_configs", "fused_moe_configs", "patches", "vllmstack"):
         if (ROOT / name).is_dir():
-            shutil.copytree(ROOT / name, root / name)
-    for name in ("compose.yaml", "tasks.py", ".env.example"):
+            shutil.copytree(ROOT / name, root / name,
+                            ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    # The dashboard image is built from the project itself.
+    for name in ("compose.yaml", "tasks.py", ".env.example", "pyproject.toml", "Dockerfile.dashboard",
+                 "Dockerfile.dashboard.dockerignore"):
         shutil.copy(ROOT / name, root / name)
     name = f"vst{os.getpid()}{tmp_path.name[-6:].replace('_', '')}".lower()
     port = free_port()
@@ -106,6 +111,30 @@ def test_healthy_boot_status_and_down(stack: Stack) -> None:
     assert stack.containers() == []
     after = json.loads(stack.invoke("status", "--json").stdout)
     assert after["running"] is False and after["healthy"] is False
+
+
+def test_up_with_the_dashboard_then_down_removes_both(stack: Stack) -> None:
+    dash_port = free_port()
+    result = stack.invoke(
+        "up", "--platform", "cpu", "--model", "qwen3-0.6b", "--set", f"VLLM_IMAGE={SIM_IMAGE}",
+        "--set", "DOCKER=/usr/bin/docker", "--set", "DASHBOARD_IMAGE=vllmstack-test/dashboard:latest",
+        "--set", "DASHBOARD_BASE_IMAGE=vllmstack/base:bookworm", "--set", f"DASHBOARD_PORT={dash_port}",
+        timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"dashboard at http://localhost:{dash_port}" in result.stdout
+    metrics = {}
+    for _ in range(60):
+        try:
+            metrics = requests.get(f"http://127.0.0.1:{dash_port}/api/metrics", timeout=2).json()
+        except (requests.RequestException, ValueError):
+            metrics = {}
+        if metrics.get("engine_up"):
+            break
+        time.sleep(1)
+    assert metrics.get("engine_up") is True, metrics
+    assert len(stack.containers()) == 2
+    assert stack.invoke("down").returncode == 0
+    assert stack.containers() == []
 
 
 def test_crash_at_boot_is_diagnosed_from_the_log(stack: Stack) -> None:
