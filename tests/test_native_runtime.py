@@ -257,17 +257,18 @@ def test_start_state_members_log_and_remove_a_real_process(
     assert proc is not None and proc.pgid == pid and proc.sid == pid
     assert os.getpgid(pid) != os.getpgid(0)
     # A second NativeEngine (another `invoke` process) sees the same engine from the record.
-    other = NativeEngine(project, SubprocessRunner(), None, {}, out=io.StringIO())
+    other_out = io.StringIO()
+    other = NativeEngine(project, SubprocessRunner(), None, {}, out=other_out)
     assert other.state().running and other.state().details["pid"] == pid
     start = proc.start_ticks
     other.remove()
     assert gone(pid, start)
-    assert "stopped the native engine" in other.out.getvalue()  # type: ignore[attr-defined]
+    assert "stopped the native engine" in other_out.getvalue()
     assert engine.state() == MISSING
     assert not (project.generated / "native" / "engine.json").exists()
     # The log stays readable after down.
     assert any("engine up" in line for line in engine.log_lines(10))
-    assert out.getvalue().count("note:") >= 0
+    assert "note: overlay" in out.getvalue()  # what containers get that a host process cannot
 
 
 def test_exit_code_is_recorded_for_a_later_process(project: Project, tmp_path: Path,
@@ -421,3 +422,35 @@ def test_signals_go_only_to_the_same_process(bystander: subprocess.Popen[bytes])
     assert bystander.poll() is None
     native.send_signal(table, proc, signal.SIGKILL)
     assert bystander.wait(timeout=5) == -signal.SIGKILL
+
+
+def test_down_fails_loudly_when_a_process_survives_sigkill(
+        project: Project, proc_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllmstack.lifecycle import LifecycleError
+
+    # A process stuck in the kernel ignores even SIGKILL; a fake table keeps reporting it. Its pid
+    # is above pid_max, so no signal can reach a real process.
+    pid = int(Path("/proc/sys/kernel/pid_max").read_text()) + 10
+    fake_proc(proc_root, pid, start=1000, state="D")
+    write_record(project, pid=pid, start_ticks=1000, boot_id="boot-a")
+    monkeypatch.setattr(native, "KILL_WAIT_S", 0.2)
+    out = io.StringIO()
+    engine = NativeEngine(project, SubprocessRunner(), table=ProcTable(proc_root), grace=0.2, out=out)
+    with pytest.raises(LifecycleError) as err:
+        engine.remove()
+    assert f"process(es) {pid} (python3) of the native engine survived SIGKILL" in err.value.cause
+    assert err.value.fix is not None and "reboot" in err.value.fix
+    assert (project.generated / "native" / "engine.json").is_file()  # still known: not forgotten
+    engine.stop()  # after a failed start: a warning, not a second error
+    assert "warning:" in out.getvalue() and "survived SIGKILL" in out.getvalue()
+
+
+def test_dry_run_without_an_installed_engine_is_a_note(project: Project, tmp_path: Path) -> None:
+    environ = {"HOME": str(tmp_path)}
+    resolved = resolve(project, platform="cpu", model="qwen3-0.6b", environ=environ)
+    engine = NativeEngine.for_stack(project, resolved, environ, RecordingRunner(dry_run=True))
+    out = engine.out = io.StringIO()
+    engine.start()
+    text = out.getvalue()
+    assert "(dry run) note: the native engine for vLLM 0.31.0 is not installed" in text
+    assert "fix: invoke install-engine --version 0.31.0" in text

@@ -504,7 +504,12 @@ class NativeEngine:
         if previous is not None:
             # Like compose's --force-recreate: whatever ran before goes first.
             self._end(previous, forget=True)
-        self._check_executable(command)
+        try:
+            self._check_executable(command)
+        except NativeError as exc:
+            if not self.runner.dry_run:
+                raise
+            print(f"(dry run) note: {exc}; fix: {exc.fix}", file=self.out)
         for note in command.notes:
             print(f"note: {note}", file=self.out)
         marker = secrets.token_hex(16)
@@ -559,17 +564,30 @@ class NativeEngine:
         return ["tail", "-n", str(tail), *(["-F"] if follow else []), str(self.log_path)]
 
     def stop(self) -> None:
+        """Used after a failed start, where the failure itself is the message: never raises."""
         record = self.read_record()
-        if record is not None:
+        if record is None:
+            return
+        try:
             self._end(record, forget=False)
+        except NativeError as exc:
+            print(f"warning: {exc} (fix: {exc.fix})", file=self.out)
 
     def remove(self) -> None:
         record = self.read_record()
-        if record is not None:
+        if record is None:
+            if not self.runner.dry_run:
+                # An unreadable record is no evidence of anything running; drop the rest.
+                self._forget()
+            return
+        try:
             self._end(record, forget=True)
-        elif not self.runner.dry_run:
-            # A record that could not be read is no evidence of anything running; drop the rest.
-            self._forget()
+        except NativeError as exc:
+            # `down` must fail loudly when a process survives, in the caller's own terms (the
+            # lifecycle is imported by then; the keeper never gets here).
+            from vllmstack.lifecycle import LifecycleError
+
+            raise LifecycleError(str(exc), exc.fix) from exc
 
     def members(self) -> list[dict[str, Any]]:
         record = self.read_record()
