@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -335,3 +336,28 @@ def test_gpu_release_wait(tmp_path: Path) -> None:
     stuck = FakeProbe(gpus=[GpuMemory(0, 32 * GIB, 30 * GIB)])
     released, _ = lifecycle.wait_gpu_release(stuck, 0, 5, clock.sleep, clock)
     assert not released
+
+
+def test_cache_folders_are_made_user_owned_before_compose(tmp_path: Path) -> None:
+    paths = compose.StackPaths(tmp_path / "hf", tmp_path / "engine", None)
+    ids = compose.HostIds(4242, 4343, None, None)
+    planned = compose.ensure_cache_dirs(paths, ids, dry_run=True)
+    assert f"mkdir -p {tmp_path / 'engine' / 'aiter/jit'}" in planned
+    assert not (tmp_path / "engine").exists()  # a dry run changes nothing
+    compose.ensure_cache_dirs(paths, ids, dry_run=False)
+    for folder in (tmp_path / "hf", tmp_path / "engine" / "triton"):
+        assert folder.is_dir()
+        if os.geteuid() == 0:
+            assert (folder.stat().st_uid, folder.stat().st_gid) == (4242, 4343)
+
+
+def test_cache_folder_owned_by_someone_else_names_the_chown_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As an ordinary user (root could simply chown) whose uid does not own the folder.
+    owner = tmp_path.stat().st_uid
+    monkeypatch.setattr(compose.os, "geteuid", lambda: owner + 1)
+    paths = compose.StackPaths(tmp_path, tmp_path / "engine", None)
+    ids = compose.HostIds(owner + 1, owner + 1, None, None)
+    with pytest.raises(compose.ComposeError, match=f"sudo chown -R {owner + 1}:{owner + 1} {tmp_path}"):
+        compose.ensure_cache_dirs(paths, ids, dry_run=False)

@@ -103,6 +103,8 @@ def test_healthy_boot_status_and_down(stack: Stack) -> None:
     # The rendered files are there to read and reproduce the run by hand.
     assert (stack.root / "generated/compose.override.yaml").is_file()
     assert (stack.root / "generated/vllm-argv.txt").read_text().startswith("vllm serve")
+    ran = stack.invoke("exec", "--", "python3", "-c", "print(6 * 7)")
+    assert ran.returncode == 0 and ran.stdout.strip() == "42", ran.stderr
     # A second `up` with the same command is a no-op.
     again = stack.up("--set", "ENGINE_ENV=SIM_BOOT_SECONDS=2")
     assert again.returncode == 0 and "nothing to do" in again.stdout
@@ -183,4 +185,13 @@ def test_bare_compose_up_fails_with_the_invoke_hint(stack: Stack) -> None:
                             env=env, text=True, capture_output=True, timeout=60, check=False)
     assert result.returncode != 0
     assert "invoke up" in result.stderr
+    assert stack.containers() == []
+
+
+def test_default_rocm_profile_on_a_host_without_gpu_fails_at_once(stack: Stack) -> None:
+    need(not Path("/dev/kfd").exists(), "this host has an AMD GPU")
+    result = stack.invoke("up", timeout=60)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert "no /dev/kfd, /dev/dri found" in result.stderr and "--platform cpu" in result.stderr
     assert stack.containers() == []
