@@ -454,3 +454,23 @@ def test_dry_run_without_an_installed_engine_is_a_note(project: Project, tmp_pat
     text = out.getvalue()
     assert "(dry run) note: the native engine for vLLM 0.31.0 is not installed" in text
     assert "fix: invoke install-engine --version 0.31.0" in text
+
+
+def test_gpu_device_nodes_the_user_cannot_open_are_named_with_the_group_fix(
+        project: Project, tmp_path: Path) -> None:
+    for node in ("dev/kfd", "dev/dri/renderD128", "dev/dri/renderD129"):
+        (tmp_path / node).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / node).write_text("")
+    environ = {"HOME": str(tmp_path)}
+    resolved = resolve(project, platform="r9700", model="qwen3-0.6b", environ=environ)
+    engine = NativeEngine.for_stack(project, resolved, environ, SubprocessRunner())
+    engine.device_root = tmp_path
+    engine.can_open = lambda path: path.name == "renderD129"
+    with pytest.raises(NativeError) as err:
+        engine.start()
+    assert f"{tmp_path}/dev/kfd, {tmp_path}/dev/dri/renderD128" in str(err.value)
+    assert err.value.fix == "sudo usermod -aG render,video $USER, then log in again"
+    engine.can_open = lambda path: True
+    with pytest.raises(NativeError) as err:
+        engine.start()
+    assert "is not installed" in str(err.value)  # past the device check

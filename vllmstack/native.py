@@ -454,6 +454,9 @@ class NativeEngine:
     grace: float = DEFAULT_GRACE_S
     out: TextIO = field(default_factory=lambda: sys.stdout)
     python: str = field(default_factory=lambda: sys.executable)
+    device_root: Path = Path("/")
+    can_open: Callable[[Path], bool] = field(
+        default_factory=lambda: lambda path: os.access(path, os.R_OK | os.W_OK))
     name: str = "native"
 
     @classmethod
@@ -505,6 +508,7 @@ class NativeEngine:
             # Like compose's --force-recreate: whatever ran before goes first.
             self._end(previous, forget=True)
         try:
+            self._check_devices()
             self._check_executable(command)
         except NativeError as exc:
             if not self.runner.dry_run:
@@ -610,6 +614,19 @@ class NativeEngine:
         return out
 
     # -- helpers ----------------------------------------------------------------------------------
+
+    def _check_devices(self) -> None:
+        """A container gets the GPU device nodes through group_add; a host process needs the
+        user to be in their groups, and vLLM's own error for that comes late and says little."""
+        if self.resolved is None or self.resolved.get("GPU_VENDOR") != "amd":
+            return
+        blocked = [node for node in (self.device_root / "dev/kfd", *sorted(
+            (self.device_root / "dev/dri").glob("renderD*")))
+            if node.exists() and not self.can_open(node)]
+        if blocked:
+            raise NativeError(
+                f"you may not open {', '.join(str(p) for p in blocked)}, so the engine cannot "
+                "reach the GPU", "sudo usermod -aG render,video $USER, then log in again")
 
     def _check_executable(self, command: NativeCommand) -> None:
         exe = command.argv[0]
@@ -745,7 +762,14 @@ def run_keeper(spec: dict[str, Any], report_fd: int) -> None:
         pid=proc.pid, start_ticks=engine.start_ticks if engine else 0, boot_id=table.boot_id(),
         marker=str(spec["marker"]), argv=argv, log=str(log_path), started=time.time(),
         keeper_pid=os.getpid(), keeper_start_ticks=me.start_ticks if me else None)
-    write_json(Path(spec["record"]), asdict(record))
+    try:
+        write_json(Path(spec["record"]), asdict(record))
+    except OSError as exc:
+        # An engine nobody can find later must not keep running.
+        proc.kill()
+        proc.wait()
+        _report(report_fd, {"error": f"could not write the engine record {spec['record']}: {exc}"})
+        return
     _report(report_fd, {"pid": proc.pid, "log": str(log_path)})
     returncode = proc.wait()
     # As a shell or Docker reports it: 128 + signal number for a signalled process.
