@@ -84,18 +84,20 @@ def test_per_chunk_usage_gives_exact_counts_for_multi_token_chunks() -> None:
 
 
 def test_final_usage_only_spreads_tokens_evenly_without_bias() -> None:
-    # 4 tokens per chunk, only a final usage: interpolating per-token times would say +2.4 %
-    events = [(0.0, ROLE)]
+    # MTP-like: the prefill's one token, then 4 per step, and only a final usage. Spreading
+    # the final count evenly over every chunk would say +2.4 %; so would interpolating times.
+    events = [(0.0, ROLE), (0.2, token("v", "content"))]
     t = 0.2
-    for _ in range(32):
-        events.append((t, token("w x y z", "content")))
+    for _ in range(31):
         t += 0.080
-    events += [(t, final_usage(128)), (t, "data: [DONE]")]
+        events.append((t, token("w x y z", "content")))
+    events += [(t, final_usage(125)), (t, "data: [DONE]")]
     r = feed(events)
     assert r.token_source == "usage-final"
-    assert r.chunk_tokens == [4] * 32
+    assert r.chunk_tokens == [1] + [4] * 31
     assert r.decode_tps == pytest.approx(124 / (31 * 0.080))
     assert r.decode_tps == pytest.approx(50.0)
+    assert r.itl_samples_s() == pytest.approx([0.020] * 124)
 
 
 def test_token_ids_win_over_usage() -> None:
@@ -117,7 +119,7 @@ def test_no_usage_counts_with_the_tokenizer_never_with_chunks() -> None:
     r = feed(events, tokenizer=Words())
     assert r.token_source == "tokenizer"
     assert r.tokens == 4
-    assert r.chunk_tokens == [2, 2]
+    assert r.chunk_tokens == [1, 3]
     r = feed(events)
     assert r.token_source == "none"
     assert r.chunk_tokens == []

@@ -5,8 +5,8 @@ cannot distort them):
 * TTFT: request sent -> arrival of the first chunk carrying content, reasoning or tool-call text.
   A role-only chunk is not a token; its arrival is kept separately as TTFR (a diagnostic).
 * Tokens per chunk come from `token_ids` or from per-chunk cumulative `usage`
-  (`continuous_usage_stats`); with only a final `usage` they are spread evenly over the content
-  chunks; never from counting chunks.
+  (`continuous_usage_stats`); with only a final `usage` the first chunk counts one token and the
+  rest are spread evenly over the later chunks; never from counting chunks.
 * Decode t/s: tokens after the first token chunk / (last token chunk - first token chunk). With one
   token per chunk that is (N - 1) / (t_N - t_1).
 * ITL: each chunk's arrival gap divided evenly over the tokens it carried (a per-token sample per
@@ -282,11 +282,20 @@ class _StreamState:
                 return
             known = sum(k for k in counts if k >= 0)
             rest = max(0, total - known)
-            # Spread evenly: for servers sending k tokens per chunk this gives exactly k each,
-            # which keeps decode t/s unbiased (interpolating per-token times would not).
-            share, extra = divmod(rest, len(unknown))
-            for n, i in enumerate(unknown):
-                counts[i] = share + (1 if n < extra else 0)
+            # The first token chunk holds one token (prefill yields exactly one, speculative
+            # decoding or not); the rest are spread evenly over the later chunks. For a server
+            # sending k per step that is k each, which keeps decode t/s unbiased; interpolating
+            # per-token times between chunks (what some tools do) overstates it.
+            if unknown[0] == 0 and rest > 0:
+                counts[0] = 1
+                rest -= 1
+                unknown = unknown[1:]
+            if unknown:
+                share, extra = divmod(rest, len(unknown))
+                for n, i in enumerate(unknown):
+                    counts[i] = share + (1 if n < extra else 0)
+            elif rest > 0:
+                counts[0] += rest
         elif total is not None and total > sum(counts):
             # Tokens the server counted but never streamed (EOS, stripped markers) end the stream.
             counts[-1] += total - sum(counts)

@@ -367,11 +367,11 @@ async def run_conc(session: Session, max_num_seqs: int | None) -> list[dict[str,
         await session.send(user(session.builder.build(pp).text), tg)
     rows = []
     for level in levels:
-        rows.append(await _conc_level(session, level, pp, tg))
+        rows.append(await run_conc_level(session, level, pp, tg))
     return rows
 
 
-async def _conc_level(session: Session, level: int, pp: int, tg: int) -> dict[str, Any]:
+async def run_conc_level(session: Session, level: int, pp: int, tg: int) -> dict[str, Any]:
     """`level` workers, each sending its next request as soon as the last ends, for a duration.
 
     Prompts are built before the clock starts (building one costs ~1 ms of the single event
