@@ -90,7 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
         _add_history(p)
         p.add_argument("--pp", type=int, nargs="+", default=[2048], help="prompt tokens")
         p.add_argument("--tg", type=int, nargs="+", default=[128], help="generated tokens")
-        p.add_argument("--runs", type=int, default=3, help="measured runs per cell")
+        p.add_argument("--runs", type=int, default=3,
+                       help="measured runs per cell" if name != "conc" else
+                       "not used by conc (--duration sets the sample); accepted so every run "
+                       "kind takes the same options")
         p.add_argument("--no-warmup", action="store_true", help="skip the warm-up request")
         p.add_argument("--extra-body", default="{}", help="JSON merged into every request")
         p.add_argument("--seed", type=int, default=0, help="prompt text position seed")
@@ -101,11 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
                            help="tokens kept free at the top of the window")
             p.add_argument("--prefix-caching", choices=("auto", "on", "off"), default="auto",
                            help="two-phase (on) or blended (off); auto reads /metrics")
+        p.add_argument("--duration", type=float, default=30.0,
+                       help="closed-loop seconds per level" if name == "conc" else
+                       "used by conc only; accepted so every run kind takes the same options")
         if name == "conc":
             p.add_argument("--concurrency", type=int, nargs="+",
                            help="explicit levels (default: powers of two up to max_num_seqs)")
-            p.add_argument("--duration", type=float, default=30.0,
-                           help="closed-loop seconds per level")
     p = sub.add_parser("probe", help="regression probe; exit 0 pass, 1 fail, 2 inconclusive")
     p.add_argument("name", choices=sorted(PROBES))
     _add_target(p)
