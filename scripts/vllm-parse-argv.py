@@ -43,6 +43,10 @@ PARSER_MODULES = (
     "vllm.entrypoints.openai.cli_args",
 )
 NEGATIVE_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
+# Actions for which giving the flag again adds to the value instead of replacing it.
+ACCUMULATING = tuple(getattr(argparse, name) for name in (
+    "_AppendAction", "_AppendConstAction", "_ExtendAction", "_CountAction")
+    if hasattr(argparse, name))
 
 
 def finding(severity: str, code: str, message: str, flag: str | None = None,
@@ -198,7 +202,8 @@ def diagnose_words(serve: argparse.ArgumentParser,
                                fix=value_fix(action)))
             bad.update(range(start, i))
             continue
-        seen.setdefault(action.dest, []).append((spelled, " ".join(values)))
+        if not isinstance(action, ACCUMULATING):
+            seen.setdefault(action.dest, []).append((spelled, " ".join(values)))
     for dest, keys in dotted.items():
         names = [name for name, _ in keys]
         for name in sorted({n for n in names if names.count(n) > 1}):
@@ -476,7 +481,7 @@ def check_argv(args: list[str]) -> dict[str, Any]:
     if namespace is None:
         # Keep vLLM's own words: they are what the user would see when the engine starts.
         if any(f["severity"] == "error" for f in findings):
-            findings.append(finding("info", "vllm-says", error))
+            findings.append(finding("info", "verdict", error))
         else:
             findings.append(finding("error", "rejected", error))
         # Parse what is left without the rejected words, so one run reports the

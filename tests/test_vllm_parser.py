@@ -93,7 +93,7 @@ REAL_REPORT = {
          "message": "given 2 times (--max-num-seqs 4, --max-num-seqs 3); vLLM keeps only "
                     "the last: --max-num-seqs 3",
          "flag": "--max-num-seqs", "fix": "set it in one place only"},
-        {"severity": "info", "code": "vllm-says",
+        {"severity": "info", "code": "verdict",
          "message": "vllm: error: unrecognized arguments: --bogus-flag 1",
          "flag": None, "fix": None},
     ],
@@ -250,7 +250,7 @@ def test_argv_goes_to_the_script_in_the_venv(project: Project) -> None:
     assert by_code["vllm-abbreviated-flag"].severity == "warning"
     assert by_code["vllm-abbreviated-flag"].key == "VLLM_EXTRA_ARGS"
     assert by_code["vllm-duplicate-flag"].key == "VLLM_EXTRA_ARGS"
-    assert by_code["vllm-vllm-says"].severity == "info"
+    assert by_code["vllm-verdict"].severity == "info"
 
 
 def test_flag_from_a_setting_names_that_setting_and_file(project: Project) -> None:
@@ -405,6 +405,7 @@ def serve() -> argparse.ArgumentParser:
     parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction)
     parser.add_argument("--served-model-name", nargs="+")
     parser.add_argument("--speculative-config", type=json.loads)
+    parser.add_argument("--middleware", action="append")
     return parser
 
 
@@ -467,6 +468,8 @@ def test_walker_warns_on_repeats_including_on_off_pairs(
     assert [f["code"] for f in found] == ["duplicate-flag", "duplicate-flag"]
     assert found[0]["message"].endswith("vLLM keeps only the last: --max-num-seqs 2")
     assert found[1]["message"].endswith("vLLM keeps only the last: --no-enforce-eager")
+    # Flags that collect every use are not repeats.
+    assert walk(script, serve, "--middleware", "a.B", "--middleware", "c.D") == []
 
 
 def test_walker_flags_stray_words_and_a_missing_model(
@@ -593,3 +596,40 @@ def test_bad_settings_are_refused_with_vllms_words(real_env: tuple[Project, str]
     memory = only_error("memory")
     assert (memory.code, memory.key) == ("vllm-cache-config", "VLLM_GPU_MEM_UTIL")
     assert "less than or equal to 1" in memory.message
+
+
+@pytest.mark.slow
+def test_flag_walker_agrees_with_vllms_verdict(real_env: tuple[Project, str]) -> None:
+    """The per-flag report must reject exactly what vLLM's parser rejects."""
+    project, version = real_env
+    cases = {
+        "optimization level": ["m", "-O3"],
+        "human sizes": ["m", "--max-model-len", "32k", "--max-num-batched-tokens", "2K"],
+        "auto length": ["m", "--max-model-len", "-1"],
+        "underscores": ["m", "--max_num_seqs", "4", "--enable_prefix_caching"],
+        "two names": ["m", "--served-model-name", "a", "b"],
+        "short alias": ["m", "-tp", "2"],
+        "dotted json": ["m", "--speculative-config.method", "mtp",
+                        "--speculative-config.num_speculative_tokens", "1"],
+        "value on a switch": ["m", "--enable-prefix-caching=1"],
+        "bad int": ["m", "--max-num-seqs", "four"],
+        "bad human size": ["m", "--max-model-len", "abc"],
+        "bad json": ["m", "--speculative-config", "{bad"],
+        "missing value": ["m", "--max-num-seqs"],
+        "stray word": ["m", "--enforce-eager", "yes"],
+        "ambiguous prefix": ["m", "--max-num", "4"],
+    }
+    argvs = [["vllm", "serve", *words] for words in cases.values()]
+    results = dict(zip(cases, vp.parse_argvs(project, SubprocessRunner(), argvs, version,
+                                               environ=dict(os.environ)), strict=True))
+    walker = {"vllm-unknown-flag", "vllm-bad-value", "vllm-ambiguous-flag",
+              "vllm-stray-value", "vllm-no-model"}
+    verdicts = {}
+    for name, found in results.items():
+        codes = {f.code for f in found}
+        assert "vllm-rejected" not in codes, (name, [f.render() for f in found])
+        verdicts[name] = ("vllm-verdict" in codes, bool(codes & walker))
+    assert all(rejected == flagged for rejected, flagged in verdicts.values()), verdicts
+    assert [name for name, (rejected, _) in verdicts.items() if rejected] == [
+        "value on a switch", "bad int", "bad human size", "bad json", "missing value",
+        "stray word", "ambiguous prefix"]
