@@ -18,7 +18,7 @@ COMMENTED_KEY = re.compile(r"^#\s*([A-Z][A-Z0-9_]*)=")
 
 def shipped_keys() -> dict[str, str]:
     """KEY -> first file:line that uses it, across env/ and .env.example."""
-    files = sorted((ROOT / "env").rglob("*.env")) + [ROOT / ".env.example"]
+    files = [*sorted((ROOT / "env").rglob("*.env")), ROOT / ".env.example"]
     keys: dict[str, str] = {}
     for path in files:
         display = str(path.relative_to(ROOT))
