@@ -133,6 +133,24 @@ def test_env_is_created_once_from_the_pinned_list(project: Project) -> None:
     assert again.calls == []
 
 
+def test_env_finished_meanwhile_by_another_check_is_kept(project: Project) -> None:
+    runner = fresh_runner()
+    other: list[Path] = []
+
+    def finish_elsewhere(argv: tuple[str, ...]) -> Result | None:
+        if argv[1] == "-c":
+            other.append(make_ready_env(project))
+            (other[0] / "in-use").write_text("")
+            return Result(argv, 0, VERSION + "\n")
+        return None
+
+    runner.respond([], finish_elsewhere)
+    path = vp.ensure_parser_env(project, runner, VERSION, python="python3", environ={},
+                                progress=lambda _: None)
+    assert [path] == other and (path / "in-use").exists()
+    assert not list(path.parent.glob("*.partial-*"))
+
+
 def test_env_with_another_pin_list_is_rebuilt(project: Project) -> None:
     path = make_ready_env(project)
     marker = json.loads((path / vp.ENV_MARKER).read_text())

@@ -209,6 +209,11 @@ def ensure_parser_env(
                 f"{installed or '(none)'} instead of {version}")
         env.marker.write_text(
             json.dumps(_marker_content(version, python), indent=2) + "\n", encoding="utf-8")
+        if env_is_ready(project, version):
+            # Another process finished first (two checks at once); keep its copy, which
+            # may be in use, and drop ours.
+            shutil.rmtree(partial)
+            return final
         if final.exists():
             shutil.rmtree(final)
         partial.rename(final)
