@@ -253,14 +253,15 @@ def test_argv_goes_to_the_script_in_the_venv(project: Project) -> None:
     runner.respond([str(env / "bin" / "python")],
                    Result((), 0, "INFO some vLLM log line\n" + marker_line([REAL_REPORT])))
     findings = vp.parse_argv(project, runner, argv, VERSION, resolved=resolved,
-                             environ={"HF_HUB_OFFLINE": "0", "PATH": "/usr/bin"})
+                             environ={"HF_HUB_OFFLINE": "0", "PATH": "/usr/bin",
+                                      "PYTHONPATH": "/src/vllm"})
     (call,) = runner.calls
     assert call[:2] == (str(env / "bin" / "python"), str(vp.script_path(project)))
     assert json.loads(call[2]) == [argv[2:]]
     sent = runner.envs[0]
     assert sent is not None
     assert sent["VLLM_TARGET_DEVICE"] == "cpu" and sent["HF_HUB_OFFLINE"] == "1"
-    assert sent["PATH"] == "/usr/bin"
+    assert sent["PATH"] == "/usr/bin" and sent["PYTHONPATH"] == ""
     by_code = {f.code: f for f in findings}
     unknown = by_code["vllm-unknown-flag"]
     assert unknown.severity == "error"

@@ -350,6 +350,7 @@ def parse_argvs(
     command: list[str]
     script = script_path(project)
     payload = json.dumps(words)
+    run_env = {**base_env, **PARSE_ENV}
     if image and _image_exists(runner, docker, image):
         command = [docker, "run", "--rm", "--network", "none", "--entrypoint", "python3"]
         for name, value in PARSE_ENV.items():
@@ -374,8 +375,9 @@ def parse_argvs(
             return [[*notes, _env_error(exc)] for _ in argvs]
         command = [str(ParserEnv(env_path).python), str(script), payload]
         where = f"vLLM {version} parser env {env_path}"
-    result = runner.run(command, env={**base_env, **PARSE_ENV}, mutates=False,
-                        timeout=PARSE_TIMEOUT)
+        # Only the venv's own vLLM may answer, not a source tree on the caller's path.
+        run_env["PYTHONPATH"] = ""
+    result = runner.run(command, env=run_env, mutates=False, timeout=PARSE_TIMEOUT)
     reports = read_reports(result, len(words), where)
     for i, report in enumerate(reports):
         if isinstance(report, Finding):
