@@ -220,7 +220,9 @@ def kv_bytes_per_token_per_gpu(facts: ModelFacts, tp: int, kv_dtype: str) -> int
 
 
 def dtype_bytes(kv_dtype: str) -> int:
-    return 1 if kv_dtype.startswith("fp8") else 2
+    """Bytes per KV element; the 4-bit and 8-bit formats are rounded up to one byte (plus scales),
+    so the projection errs on the side of "does not fit"."""
+    return 2 if kv_dtype in ("auto", "bfloat16", "float16") else 1
 
 
 def ceil_div(a: int, b: int) -> int:
