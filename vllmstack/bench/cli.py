@@ -31,7 +31,7 @@ from vllmstack.bench.prompts import PromptBuilder, TokenizerError, load_tokenize
 from vllmstack.bench.prompts import resolve_tokenizer as find_tokenizer
 from vllmstack.bench.report import build_report
 from vllmstack.bench.runs import RunError, RunOptions, execute, find_served_model
-from vllmstack.bench.stability import MODES, StabilityContext, run_stability
+from vllmstack.bench.stability import MODES, run_stability
 from vllmstack.bench.target import Target, TargetError, target_from_profile, target_from_url
 from vllmstack.bench.verdict import Verdict
 from vllmstack.paths import Project
@@ -193,15 +193,14 @@ async def _run_checks(args: argparse.Namespace, target: Target, environ: Mapping
     async with ChatClient(target.url, api_key=target.api_key, timeout_s=args.timeout,
                           tokenizer=tokenizer) as client:
         max_len = await _live_limits(client, target)
+        ctx = ProbeContext(client, target.model, builder, target.max_num_seqs, max_len,
+                           params, progress)
         if args.command == "probe":
-            ctx = ProbeContext(client, target.model, builder, target.max_num_seqs, max_len,
-                               params, progress)
             return await run_probe(args.name, ctx)
         for key in ("workers", "requests", "max_tokens", "runs"):
             if getattr(args, key) is not None:
                 params[key] = getattr(args, key)
-        sctx = StabilityContext(client, target.model, builder, max_len, params, progress)
-        return await run_stability(args.mode, sctx)
+        return await run_stability(args.mode, ctx)
 
 
 def _options(args: argparse.Namespace) -> RunOptions:

@@ -14,11 +14,11 @@ import asyncio
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-from vllmstack.bench.client import ChatClient, RequestResult, chat_body
-from vllmstack.bench.prompts import PromptBuilder, load_corpus
+from vllmstack.bench.client import RequestResult, chat_body
+from vllmstack.bench.probes import ProbeContext
+from vllmstack.bench.prompts import load_corpus
 from vllmstack.bench.stats import summarize
 from vllmstack.bench.verdict import FAIL, INFO, Verdict
 
@@ -65,18 +65,8 @@ def check_loop(
     return LoopCheck(len(words), richness, share, looped)
 
 
-@dataclass
-class StabilityContext:
-    client: ChatClient
-    model: str
-    builder: PromptBuilder | None = None
-    max_model_len: int | None = None
-    params: dict[str, Any] = field(default_factory=dict)
-    progress: Progress = print
-
-    def param(self, key: str, default: Any) -> Any:
-        value = self.params.get(key)
-        return default if value is None else value
+# Stability runs talk to the server exactly as probes do.
+StabilityContext = ProbeContext
 
 
 async def run_smoke(ctx: StabilityContext) -> Verdict:
