@@ -333,6 +333,9 @@ class ComposeEngine:
     env_file: Path
     service: str = ENGINE_SERVICE
     name: str = "compose"
+    # The container id, looked up once per container: `up` polls twice a second and would
+    # otherwise list containers on every poll.
+    _cid: str | None = field(default=None, repr=False)
 
     @property
     def flavour(self) -> str:
@@ -348,12 +351,15 @@ class ComposeEngine:
         return out
 
     def container_id(self) -> str | None:
-        result = self.runner.run([self.cli.engine, "ps", "-aq", *self._label_filter(self.service)],
-                                 mutates=False, timeout=30)
-        ids = result.stdout.split() if result.ok else []
-        return ids[0] if ids else None
+        if self._cid is None:
+            result = self.runner.run([self.cli.engine, "ps", "-aq",
+                                      *self._label_filter(self.service)], mutates=False, timeout=30)
+            ids = result.stdout.split() if result.ok else []
+            self._cid = ids[0] if ids else None
+        return self._cid
 
     def start(self) -> None:
+        self._cid = None  # recreated: a new container id
         # Recreate so the restart counter starts at zero and the new command applies.
         result = self.runner.run(self.compose("up", "-d", "--force-recreate", "--no-deps",
                                               self.service), timeout=600)
@@ -368,6 +374,7 @@ class ComposeEngine:
             [self.cli.engine, "inspect", "--format", "{{json .State}}|{{.RestartCount}}", cid],
             mutates=False, timeout=30)
         if not result.ok:
+            self._cid = None  # removed meanwhile
             return MISSING
         raw_state, _, restarts = result.stdout.strip().rpartition("|")
         try:
@@ -397,6 +404,7 @@ class ComposeEngine:
         self.runner.run(self.compose("stop", "-t", "10", self.service), timeout=120)
 
     def remove(self) -> None:
+        self._cid = None
         if self.env_file.is_file():
             self.runner.run(self.compose("--profile", "dashboard", "down", "--remove-orphans",
                                          "-t", "20"), timeout=300)

@@ -635,6 +635,7 @@ def status(stack: Stack) -> dict[str, Any]:
                 model, max_len = data[0].get("id"), data[0].get("max_model_len")
         except (requests.RequestException, ValueError, AttributeError):
             pass
+    recorded = read_state(stack.project) or {}
     report: dict[str, Any] = {
         "runtime": stack.engine.name,
         "running": state.running,
@@ -642,8 +643,8 @@ def status(stack: Stack) -> dict[str, Any]:
         "model": model,
         "max_model_len": max_len,
         "url": stack.url,
-        "profile": (read_state(stack.project) or {}).get("profile", stack.resolved.profile),
-        "platform": (read_state(stack.project) or {}).get("platform", stack.resolved.platform),
+        "profile": recorded.get("profile", stack.resolved.profile),
+        "platform": recorded.get("platform", stack.resolved.platform),
         "state": state.status,
         "restarts": state.restart_count,
         "containers": stack.engine.members(),
