@@ -76,7 +76,7 @@ class Overhead:
     prompt_tokens: int
 
     def pp_rate(self, prompt_tokens: int | None, ttft_s: float | None) -> float | None:
-        if not prompt_tokens or not ttft_s or ttft_s <= 0:
+        if not prompt_tokens or prompt_tokens <= 0 or not ttft_s or ttft_s <= 0:
             return None
         if prompt_tokens > self.prompt_tokens and ttft_s > self.ttft_s:
             return (prompt_tokens - self.prompt_tokens) / (ttft_s - self.ttft_s)
@@ -318,8 +318,9 @@ async def _depth_two_phase(session: Session, depth: int, pp: int, tg: int) -> di
             continue
         cached = _cached_tokens(before, after, result)
         if cached is None:
-            session.warn("cannot verify prefix-cache hits (no vllm:prefix_cache_hits counter "
-                         "and no cached_tokens in usage); pp at depth is blended")
+            session.warn("cannot verify prefix-cache hits (no cached_tokens in usage, and the "
+                         "vllm:prefix_cache_hits counter is missing or moved by other traffic); "
+                         "pp at depth is blended")
             all_hit = False
             cached = 0
         elif cached < CACHE_HIT_SHARE * depth:
@@ -341,13 +342,16 @@ async def _depth_two_phase(session: Session, depth: int, pp: int, tg: int) -> di
 def _cached_tokens(
     before: MetricsSnapshot | None, after: MetricsSnapshot | None, result: RequestResult
 ) -> float | None:
-    """Prompt tokens the prefix cache served for `result`: /metrics delta, else usage details."""
+    """Prompt tokens the prefix cache served for `result`: the server's own count in usage when
+    it gives one, else the /metrics delta (which other clients' traffic can inflate, so a delta
+    larger than the request's whole prompt proves nothing and counts as unknown)."""
+    if result.cached_tokens is not None:
+        return float(result.cached_tokens)
     if before is not None and after is not None:
         old, new = before.prefix_cache_hits, after.prefix_cache_hits
         if old is not None and new is not None:
-            return max(0.0, new - old)
-    if result.cached_tokens is not None:
-        return float(result.cached_tokens)
+            delta = max(0.0, new - old)
+            return delta if delta <= (result.prompt_tokens or 0) else None
     return None
 
 

@@ -1,0 +1,31 @@
+"""Depth rows never report nonsense pp when other traffic moves the prefix-cache counters."""
+
+from __future__ import annotations
+
+from vllmstack.bench.client import RequestResult
+from vllmstack.bench.runs import Overhead, _cached_tokens
+from vllmstack.metrics import parse_metrics
+
+
+def snapshot(hits: int):  # type: ignore[no-untyped-def]
+    return parse_metrics(
+        "# TYPE vllm:prefix_cache_hits counter\n"
+        f'vllm:prefix_cache_hits_total{{engine="0",model_name="m"}} {hits}\n')
+
+
+def test_a_delta_larger_than_the_prompt_is_someone_elses_traffic() -> None:
+    result = RequestResult(prompt_tokens=1100)
+    assert _cached_tokens(snapshot(0), snapshot(1024), result) == 1024
+    assert _cached_tokens(snapshot(0), snapshot(50_000), result) is None
+
+
+def test_the_servers_own_per_request_count_wins() -> None:
+    result = RequestResult(prompt_tokens=1100, cached_tokens=1088)
+    assert _cached_tokens(snapshot(0), snapshot(50_000), result) == 1088
+
+
+def test_pp_rate_is_never_negative_or_from_nothing() -> None:
+    overhead = Overhead(ttft_s=0.02, prompt_tokens=16)
+    assert overhead.pp_rate(-500, 0.1) is None
+    assert overhead.pp_rate(0, 0.1) is None
+    assert overhead.pp_rate(2016, 0.12) == 2000 / 0.1
