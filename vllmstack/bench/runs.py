@@ -318,12 +318,15 @@ async def _depth_two_phase(session: Session, depth: int, pp: int, tg: int) -> di
             continue
         cached = _cached_tokens(before, after, result)
         if cached is None:
-            session.warn("cannot verify prefix-cache hits (no cached_tokens in usage, and the "
+            # Some of the prompt was cached, but how much is unknown: any pp figure would be
+            # invented. TTFT and decode still stand.
+            session.warn("cannot attribute prefix-cache hits (no cached_tokens in usage, and the "
                          "vllm:prefix_cache_hits counter is missing or moved by other traffic); "
-                         "pp at depth is blended")
+                         f"pp at depth {depth} is not reported")
             all_hit = False
-            cached = 0
-        elif cached < CACHE_HIT_SHARE * depth:
+            pp_values.append(None)
+            continue
+        if cached < CACHE_HIT_SHARE * depth:
             session.warn(f"depth {depth}: the prefix cache served only {cached:.0f} of "
                          f"{depth} context tokens; pp at this depth is blended, not pp@d")
             all_hit = False
