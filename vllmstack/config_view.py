@@ -12,7 +12,7 @@ class ConfigError(Exception):
     pass
 
 
-def explain(resolved: Resolved) -> dict[str, dict[str, str]]:
+def explain_table(resolved: Resolved) -> dict[str, dict[str, str]]:
     return {k: {"value": s.value, "source": s.source} for k, s in sorted(resolved.values.items())}
 
 
@@ -26,7 +26,7 @@ def render_config(
             raise ConfigError(str(exc)) from exc
         return json.dumps(command.argv, indent=2) if as_json else command.shell()
     if explain:
-        table = _explain(resolved)
+        table = explain_table(resolved)
         if as_json:
             return json.dumps(table, indent=2)
         width = max(len(k) for k in table)
@@ -39,8 +39,6 @@ def render_config(
     header = f"# platform={resolved.platform} profile={resolved.profile}"
     return "\n".join([header, *(f"{k}={v}" for k, v in values.items())])
 
-
-_explain = explain
 
 
 def render_profiles(infos: list[ProfileInfo]) -> str:
