@@ -266,3 +266,13 @@ def test_dotenv_override_of_a_profile_value_is_explained(project: Project) -> No
                                      "VLLM_GPU_MEM_UTIL=lots", "VLLM_MAX_NUM_SEQS=-1"])
 def test_one_mistake_gives_one_error_not_a_cascade(project: Project, setting: str) -> None:
     assert len(errors(check(project, setting))) == 1
+
+
+def test_local_paths_need_no_mount_for_the_native_runtime(project: Project, tmp_path: Path) -> None:
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    resolved = resolve(project, overrides=[f"VLLM_MODEL={model}"])
+    findings, _ = run_checks(project, resolved, {}, runtime="native")
+    assert "path-not-mounted" not in errors(findings)
+    assert "path-not-mounted" in errors(run_checks(project, resolved, {}, runtime="compose")[0])

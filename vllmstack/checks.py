@@ -9,12 +9,11 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from importlib import import_module
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllmstack import build, patches
+from vllmstack import build, patches, vllm_parser
 from vllmstack.findings import Finding, sort_findings
 from vllmstack.modelinfo import (
     GIB,
@@ -54,7 +53,8 @@ class CheckContext:
     facts: ModelFacts
     environ: Mapping[str, str]
     command: ServeCommand | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    # The runtime `up` will use when it is known (--runtime); else the RUNTIME setting.
+    runtime_name: str | None = None
 
     def get(self, key: str) -> str:
         return self.resolved.get(key) or ""
@@ -87,6 +87,10 @@ class CheckContext:
                 fix: str | None = None) -> Finding:
         return Finding(severity, code, message, key=key,
                        source=self.src(key) if key else None, fix=fix)
+
+    @property
+    def runtime(self) -> str:
+        return self.runtime_name or self.get("RUNTIME") or "auto"
 
     @property
     def is_amd(self) -> bool:
@@ -205,7 +209,7 @@ def rule_files_exist(ctx: CheckContext) -> list[Finding]:
 
 def _mounted(ctx: CheckContext, key: str, path: Path) -> list[Finding]:
     """Local paths reach the container only through MODELS_DIR (mounted read-only)."""
-    if ctx.get("RUNTIME") == "native":
+    if ctx.runtime == "native":
         return []
     models_dir = ctx.get("MODELS_DIR")
     if models_dir and _is_within(path, Path(models_dir).expanduser()):
@@ -628,9 +632,10 @@ def run_checks(
     *,
     rules: tuple[Rule, ...] = RULES,
     schema: Schema | None = None,
+    runtime: str | None = None,
 ) -> tuple[list[Finding], CheckContext]:
     ctx = CheckContext(project, resolved, schema or load_schema(), load_model_facts(resolved, environ),
-                       environ)
+                       environ, runtime_name=runtime)
     findings: list[Finding] = []
     for rule in rules:
         findings.extend(rule(ctx))
@@ -668,7 +673,6 @@ def check_profile(
     """`invoke check`: every rule, plus vLLM's own parser on the argv with `deep`."""
     findings, ctx = run_checks(project, resolved, environ)
     if deep and ctx.command is not None:
-        vllm_parser = import_module("vllmstack.vllm_parser")
         findings += vllm_parser.check_with_vllm_parser(project, runner, ctx.command.argv, resolved)
     docker = resolved.get("DOCKER") or "docker"
     labels = build.read_image_labels(runner, docker, resolved.get("VLLM_IMAGE") or "")

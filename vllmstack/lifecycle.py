@@ -346,10 +346,10 @@ class UpResult:
     notes: list[str] = field(default_factory=list)
 
 
-def preflight(project: Project, resolved: Resolved, environ: Mapping[str, str]) -> tuple[
-        ServeCommand, list[Finding]]:
+def preflight(project: Project, resolved: Resolved, environ: Mapping[str, str],
+              runtime: str | None = None) -> tuple[ServeCommand, list[Finding]]:
     """`invoke check`'s rules; errors stop `up` before anything starts."""
-    findings, ctx = run_checks(project, resolved, environ)
+    findings, ctx = run_checks(project, resolved, environ, runtime=runtime)
     errors = [f for f in findings if f.severity == "error"]
     if errors or ctx.command is None:
         raise LifecycleError(
@@ -451,7 +451,7 @@ def up(stack: Stack, *, timeout: float | None = None, force: bool = False, dashb
     """Guards, render, start, wait for /health (diagnosing a death at once), warm up, dashboard."""
     out = stack.out
     resolved = stack.resolved
-    command, findings = preflight(stack.project, resolved, stack.environ)
+    command, findings = preflight(stack.project, resolved, stack.environ, stack.engine.name)
     for finding in findings:
         if finding.severity == "warning":
             print(finding.render(), file=out)
