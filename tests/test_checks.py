@@ -276,3 +276,24 @@ def test_local_paths_need_no_mount_for_the_native_runtime(project: Project, tmp_
     findings, _ = run_checks(project, resolved, {}, runtime="native")
     assert "path-not-mounted" not in errors(findings)
     assert "path-not-mounted" in errors(run_checks(project, resolved, {}, runtime="compose")[0])
+
+
+def test_deep_check_says_when_vllms_parser_accepts_the_argv(
+    project: Project, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vllmstack import checks
+    from vllmstack.runner import RecordingRunner
+
+    seen: list[list[str]] = []
+    verdicts: list[list[Finding]] = [[], [Finding("error", "vllm-unknown-flag", "no flag --x")]]
+
+    def fake(project: Project, runner: object, argv: list[str], resolved: object) -> list[Finding]:
+        seen.append(argv)
+        return verdicts.pop(0)
+
+    monkeypatch.setattr(checks.vllm_parser, "check_with_vllm_parser", fake)
+    resolved = resolve(project)
+    ok = checks.check_profile(project, resolved, {}, RecordingRunner(), deep=True)
+    assert "vllm-parser-ok" in [f.code for f in ok] and seen[0][:2] == ["vllm", "serve"]
+    bad = checks.check_profile(project, resolved, {}, RecordingRunner(), deep=True)
+    assert "vllm-parser-ok" not in [f.code for f in bad] and "vllm-unknown-flag" in errors(bad)

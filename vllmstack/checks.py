@@ -653,7 +653,7 @@ def report_json(resolved: Resolved, findings: list[Finding]) -> dict[str, Any]:
 
 def render_report(resolved: Resolved, findings: list[Finding], *, verbose: bool = False) -> str:
     shown = [f for f in findings if verbose or f.severity != "info" or f.code in (
-        "memory-projection", "spec-implies-no-async", "no-dotenv")]
+        "memory-projection", "spec-implies-no-async", "no-dotenv", "vllm-parser-ok")]
     errors = sum(f.severity == "error" for f in findings)
     warnings = sum(f.severity == "warning" for f in findings)
     lines = [f"profile {resolved.profile} on {resolved.platform}"]
@@ -673,7 +673,11 @@ def check_profile(
     """`invoke check`: every rule, plus vLLM's own parser on the argv with `deep`."""
     findings, ctx = run_checks(project, resolved, environ)
     if deep and ctx.command is not None:
-        findings += vllm_parser.check_with_vllm_parser(project, runner, ctx.command.argv, resolved)
+        parsed = vllm_parser.check_with_vllm_parser(project, runner, ctx.command.argv, resolved)
+        if not [f for f in parsed if f.severity != "info"]:
+            parsed.append(Finding("info", "vllm-parser-ok",
+                                  f"vLLM {resolved.get('VLLM_VERSION')}'s own parser accepts the argv"))
+        findings += parsed
     docker = resolved.get("DOCKER") or "docker"
     labels = build.read_image_labels(runner, docker, resolved.get("VLLM_IMAGE") or "")
     findings += build.image_label_findings(project, resolved, labels)
