@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import requests
 from conftest import ROOT, need
+from simulator.fixture import free_port
 
 SIM_IMAGE = "vllmstack/engine-sim:latest"
 pytestmark = pytest.mark.docker
@@ -29,11 +30,6 @@ def docker_ok() -> bool:
         return False
     return ok and image and shutil.which("docker-compose") is not None
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Stack:

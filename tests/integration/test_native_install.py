@@ -13,7 +13,6 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import zipfile
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT
+from simulator.fixture import free_port
 
 pytestmark = pytest.mark.slow  # creates virtual environments: about 10 s each
 SIMULATOR = ROOT / "tests" / "simulator" / "server.py"
@@ -50,11 +50,6 @@ def build_wheel(folder: Path, version: str) -> Path:
             archive.writestr(name, text)
     return path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def invoke(root: Path, home: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:

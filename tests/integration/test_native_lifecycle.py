@@ -11,7 +11,6 @@ import json
 import os
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT
+from simulator.fixture import free_port
 
 SIMULATOR = ROOT / "tests" / "simulator" / "server.py"
 WRAPPER = """
@@ -36,11 +36,6 @@ STATUS_KEYS = {"runtime", "running", "healthy", "model", "max_model_len", "url",
                "platform", "state", "restarts", "containers", "kv_cache_usage",
                "requests_running", "requests_waiting"}
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def gone(pid: int, start: int) -> bool:

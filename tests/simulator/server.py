@@ -1690,22 +1690,8 @@ class Handler(BaseHTTPRequestHandler):
                 chunk["usage"] = self.usage(req, sent[0])
             self.send_event(dumps(chunk))
 
-        try:
-            self.run_steps(req, pieces, emit)
-        except EngineDeadError:
-            self.send_event(dumps(error_body(ENGINE_ERROR_TEXT, "InternalServerError", None,
-                                             500)))
-            self.send_event("[DONE]")
-            self.end_stream()
-            self.close_connection = True
-            return
-        sim.engine.finish(req, finish, self.generated_ids(pieces))
-        if include_usage:
-            self.send_event(dumps({**head, "choices": [], "usage": self.usage(req, len(pieces)),
-                                   "system_fingerprint": sim.fingerprint}))
-        self.send_event("[DONE]")
-        self.end_stream()
-        sim.count_tool_parser(tool is not None, streaming=True)
+        if self.stream_steps(req, pieces, emit, head, finish, include_usage):
+            sim.count_tool_parser(tool is not None, streaming=True)
 
     def complete_chat(self, req: Request, rid: str, pieces: list[Piece], finish: str,
                       tool: ToolCall | None) -> None:
@@ -1763,6 +1749,12 @@ class Handler(BaseHTTPRequestHandler):
                 chunk["usage"] = self.usage(req, sent[0])
             self.send_event(dumps(chunk))
 
+        self.stream_steps(req, pieces, emit, head, finish, include_usage)
+
+    def stream_steps(self, req: Request, pieces: list[Piece], emit: Any, head: dict[str, Any],
+                     finish: str, include_usage: bool) -> bool:
+        """Send the paced chunks, the usage chunk and [DONE]; False when the engine died midway."""
+        sim = self.server.sim
         try:
             self.run_steps(req, pieces, emit)
         except EngineDeadError:
@@ -1771,13 +1763,14 @@ class Handler(BaseHTTPRequestHandler):
             self.send_event("[DONE]")
             self.end_stream()
             self.close_connection = True
-            return
+            return False
         sim.engine.finish(req, finish, self.generated_ids(pieces))
         if include_usage:
             self.send_event(dumps({**head, "choices": [], "usage": self.usage(req, len(pieces)),
                                    "system_fingerprint": sim.fingerprint}))
         self.send_event("[DONE]")
         self.end_stream()
+        return True
 
     def complete_text(self, req: Request, rid: str, pieces: list[Piece], finish: str) -> None:
         sim = self.server.sim
