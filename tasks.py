@@ -229,6 +229,15 @@ def _remainder() -> list[str]:
     return argv[argv.index("--") + 1:] if "--" in argv else []
 
 
+@task(help={"runtime": LIFECYCLE_HELP["runtime"], "dry_run": LIFECYCLE_HELP["dry_run"]})
+def clear_caches(c: Context, runtime: str | None = None, dry_run: bool = False) -> None:
+    """Delete the engine's compile and JIT caches (vLLM, Triton, Inductor, AITER); keeps models."""
+    from vllmstack import lifecycle
+
+    stack = _stack(None, None, None, runtime, dry_run)
+    _lifecycle_call(lifecycle.clear_caches, stack, dry_run=dry_run)
+
+
 @task(iterable=["set"], help={**PROFILE_HELP, "runtime": LIFECYCLE_HELP["runtime"]})
 def dashboard_up(c: Context, model: str | None = None, platform: str | None = None,
                  set: list[str] | None = None, runtime: str | None = None) -> None:

@@ -361,3 +361,52 @@ def test_cache_folder_owned_by_someone_else_names_the_chown_fix(
     ids = compose.HostIds(owner + 1, owner + 1, None, None)
     with pytest.raises(compose.ComposeError, match=f"sudo chown -R {owner + 1}:{owner + 1} {tmp_path}"):
         compose.ensure_cache_dirs(paths, ids, dry_run=False)
+
+
+def test_aiter_prewarm_clears_stale_locks_builds_once_per_image(project: Project, tmp_path: Path) -> None:
+    resolved = resolve(project)  # 2xr9700: AITER on
+    runner = RecordingRunner()
+    runner.respond(["docker", "image", "inspect", "--format", "{{.Id}}"],
+                   Result((), 0, "sha256:abc\n", ""))
+    cli = compose.ComposeCli("compose-v1", ("docker-compose",), "docker")
+    engine = compose.ComposeEngine(cli, runner, "vllmstack", compose.compose_files(project),
+                                   project.generated / "compose.env")
+    stack = lifecycle.Stack(project, resolved, {}, runner, engine, FakeProbe(), io.StringIO())
+    paths = compose.StackPaths(tmp_path / "hf", tmp_path / "engine", None)
+    lock = paths.engine_cache / "aiter/jit/build/lock_module_aiter_core"
+    lock.parent.mkdir(parents=True)
+    lock.write_text("")
+    lifecycle.prewarm_aiter(stack, engine, paths, "img:1", dry_run=False)
+    assert not lock.exists()
+    runs = [c for c in runner.calls if "run" in c]
+    assert len(runs) == 1 and runs[0][-4:] == ("python3", "vllm", "-c", lifecycle.AITER_PREWARM)
+    assert ("--entrypoint" in runs[0]) and ("--no-deps" in runs[0])
+    lifecycle.prewarm_aiter(stack, engine, paths, "img:1", dry_run=False)
+    assert len([c for c in runner.calls if "run" in c]) == 1  # once per image
+    failing = RecordingRunner()
+    failing.respond(["docker-compose"], Result((), 1, "", "ModuleNotFoundError: aiter"))
+    engine.runner = failing
+    stack.runner = failing
+    with pytest.raises(lifecycle.LifecycleError, match="AITER"):
+        lifecycle.prewarm_aiter(stack, engine, paths, "img:2", dry_run=False)
+
+
+def test_clear_caches_keeps_models_and_refuses_while_running(project: Project, tmp_path: Path) -> None:
+    resolved = resolve(project, platform="cpu", model="qwen3-0.6b",
+                       overrides=[f"HOST_CACHE_DIR={tmp_path}"])
+    paths = compose.stack_paths(resolved, {})
+    compose.ensure_cache_dirs(paths, compose.HostIds(os.getuid(), os.getgid(), None, None),
+                              dry_run=False)
+    (paths.engine_cache / "triton" / "kernel.bin").write_text("x")
+    (paths.hf_cache / "model.safetensors").write_text("x")
+    engine = FakeEngine([EngineState(True, True, "running")], [])
+    stack = lifecycle.Stack(project, resolved, {}, RecordingRunner(), engine, FakeProbe(),
+                            io.StringIO())
+    with pytest.raises(lifecycle.LifecycleError, match="running"):
+        lifecycle.clear_caches(stack)
+    engine.states = [EngineState(False, False, "missing")]
+    assert lifecycle.clear_caches(stack, dry_run=True)
+    assert (paths.engine_cache / "triton" / "kernel.bin").exists()  # a dry run deletes nothing
+    lifecycle.clear_caches(stack)
+    assert not (paths.engine_cache / "triton").exists()
+    assert (paths.hf_cache / "model.safetensors").exists()

@@ -150,6 +150,25 @@ def ensure_cache_dirs(paths: StackPaths, ids: HostIds, *, dry_run: bool) -> list
     return done
 
 
+def clear_engine_caches(paths: StackPaths, *, dry_run: bool) -> list[str]:
+    """Delete the engine's compile and JIT caches (never the Hugging Face cache); one line each."""
+    import shutil
+
+    done = []
+    for sub in ("vllm", "triton", "torchinductor", "aiter", "home", "native"):
+        folder = paths.engine_cache / sub
+        if not folder.exists():
+            continue
+        done.append(f"rm -rf {shlex.quote(str(folder))}")
+        if not dry_run:
+            try:
+                shutil.rmtree(folder)
+            except PermissionError as exc:
+                raise ComposeError(f"cannot delete {exc.filename}: it belongs to another user. "
+                                   f"Fix once: sudo rm -rf {folder}") from exc
+    return done
+
+
 def engine_environment(resolved: Resolved, schema: Schema) -> dict[str, str]:
     """What the engine process sees: container-env keys, plus unknown engine-looking keys."""
     env: dict[str, str] = {}
@@ -429,6 +448,11 @@ class ComposeEngine:
             out.append({"name": row.get("Names"), "service": service, "state": row.get("State"),
                         "status": row.get("Status"), "image": row.get("Image")})
         return out
+
+    def image_id(self, image: str) -> str | None:
+        result = self.runner.run([self.cli.engine, "image", "inspect", "--format", "{{.Id}}", image],
+                                 mutates=False, timeout=30)
+        return result.stdout.strip() or None if result.ok else None
 
     def image_exists(self, image: str) -> bool:
         return self.runner.run([self.cli.engine, "image", "inspect", image], mutates=False,

@@ -18,7 +18,7 @@ from typing import Any, TextIO
 
 import requests
 
-from vllmstack import build, diagnosis
+from vllmstack import build, compose, diagnosis
 from vllmstack.checks import run_checks
 from vllmstack.findings import Finding
 from vllmstack.gpu import GIB, GpuMemory, GpuProbe, total_used
@@ -26,7 +26,7 @@ from vllmstack.paths import Project
 from vllmstack.profiles import Resolved
 from vllmstack.runner import Runner
 from vllmstack.runtime import EngineRuntime, EngineState
-from vllmstack.schema import as_list
+from vllmstack.schema import as_bool, as_list
 from vllmstack.vllm_args import ServeCommand
 
 POLL_S = 0.5
@@ -419,9 +419,7 @@ def open_stack(
     out: TextIO | None = None,
 ) -> Stack:
     """Pick the runtime (--runtime, else RUNTIME, else what a previous `up` used, else detect)."""
-    from vllmstack import compose
     from vllmstack.gpu import probe_for
-    from vllmstack.schema import as_bool
 
     previous = read_state(project) or {}
     requested = runtime or resolved.get("RUNTIME") or "auto"
@@ -512,8 +510,6 @@ def _start_fix(stack: Stack) -> str:
 
 def _prepare_runtime(stack: Stack, command: ServeCommand, *, dry_run: bool) -> list[str]:
     """Runtime-specific preparation: for Compose, image, caches and the rendered files."""
-    from vllmstack import compose
-
     engine = stack.engine
     if not isinstance(engine, compose.ComposeEngine):
         return []
@@ -544,12 +540,48 @@ def _prepare_runtime(stack: Stack, command: ServeCommand, *, dry_run: bool) -> l
         print(f"note: {note}", file=stack.out)
     print(f"rendered {relative(rendered.override, stack.project.root)} and "
           f"{relative(rendered.env_file, stack.project.root)}", file=stack.out)
+    if as_bool(resolved.get("VLLM_ROCM_USE_AITER")):
+        prewarm_aiter(stack, engine, paths, image, dry_run=dry_run)
     return notes
 
 
-def dashboard_up(stack: Stack) -> None:
-    from vllmstack import compose
+# Builds AITER's JIT core and the unified-attention kernels once, in a throwaway container, so
+# the tensor-parallel workers do not race to build them at boot (ModuleNotFoundError, or a
+# deadlock on a stale build lock).
+AITER_PREWARM = ("import aiter; "
+                 "from aiter.ops.triton.unified_attention import unified_attention")
 
+
+def prewarm_aiter(stack: Stack, engine: compose.ComposeEngine, paths: compose.StackPaths,
+                  image: str, *, dry_run: bool) -> None:
+    """Once per image: clear stale AITER build locks, then build the JIT kernels."""
+    jit = paths.engine_cache / "aiter" / "jit"
+    image_id = engine.image_id(image) if not dry_run else None
+    marker = jit / f".prewarmed-{(image_id or 'unknown').replace(':', '-')}"
+    if image_id and marker.is_file():
+        return
+    # No engine runs now (the guards made sure), so any build lock left is stale.
+    for lock in sorted((jit / "build").glob("lock_*")) if (jit / "build").is_dir() else []:
+        print(f"{'(dry run) ' if dry_run else ''}removing stale AITER build lock {lock}",
+              file=stack.out)
+        if not dry_run:
+            lock.unlink(missing_ok=True)
+    print("prewarming AITER JIT kernels (once per image, cached under "
+          f"{paths.engine_cache})", file=stack.out)
+    result = stack.runner.run(engine.compose("run", "--rm", "--no-deps", "-T", "--entrypoint",
+                                             "python3", compose.ENGINE_SERVICE, "-c", AITER_PREWARM),
+                              capture=False, timeout=3600)
+    if not result.ok:
+        raise LifecycleError(
+            "building AITER's JIT kernels failed (see the output above)",
+            "check that the image has AITER for this GPU_ARCH (invoke build), or set "
+            "VLLM_ROCM_USE_AITER=0 and ATTENTION_BACKEND=TRITON_ATTN")
+    if not dry_run:
+        jit.mkdir(parents=True, exist_ok=True)
+        marker.write_text(f"{image}\n")
+
+
+def dashboard_up(stack: Stack) -> None:
     engine = stack.engine
     if not isinstance(engine, compose.ComposeEngine):
         print("dashboard: run `invoke dashboard` (the native runtime has no compose service)",
@@ -590,8 +622,6 @@ def build_dashboard_image(stack: Stack, image: str) -> None:
 
 
 def dashboard_down(stack: Stack) -> None:
-    from vllmstack import compose
-
     engine = stack.engine
     if isinstance(engine, compose.ComposeEngine) and engine.env_file.is_file():
         stack.runner.run(engine.compose("--profile", "dashboard", "stop", "dashboard"), timeout=120)
@@ -681,8 +711,6 @@ def render_status(report: dict[str, Any]) -> str:
 
 def logs(stack: Stack, *, follow: bool = True, tail: int = 200, service: str = "vllm") -> int:
     """Stream the engine log (follow) to the terminal."""
-    from vllmstack import compose
-
     engine = stack.engine
     if isinstance(engine, compose.ComposeEngine):
         argv = engine.compose("--profile", "dashboard", "logs", "--tail", str(tail),
@@ -706,8 +734,6 @@ EXEC_PREFIX = ('for d in /opt/venv/bin "$(dirname "$(readlink -f /opt/vllm-packa
 
 
 def exec_in_engine(stack: Stack, command: Sequence[str], *, tty: bool) -> int:
-    from vllmstack import compose
-
     engine = stack.engine
     if not command:
         raise LifecycleError("nothing to run", "give a command after --, e.g. invoke exec -- python3 -V")
@@ -717,3 +743,17 @@ def exec_in_engine(stack: Stack, command: Sequence[str], *, tty: bool) -> int:
     argv = engine.compose("exec", *([] if tty else ["-T"]), "vllm", "sh", "-c", EXEC_PREFIX, "sh",
                           *command)
     return stack.runner.run(argv, capture=False).returncode
+
+
+def clear_caches(stack: Stack, *, dry_run: bool = False) -> list[str]:
+    """Delete compile/JIT caches (after an image or driver change); the HF cache stays."""
+    if stack.engine.state().running:
+        raise LifecycleError("the engine is running and uses these caches", "invoke down first")
+    try:
+        done = compose.clear_engine_caches(compose.stack_paths(stack.resolved, stack.environ),
+                                           dry_run=dry_run)
+    except compose.ComposeError as exc:
+        raise LifecycleError(str(exc)) from exc
+    for line in done or ["nothing to delete"]:
+        print(("(dry run) " if dry_run else "") + line, file=stack.out)
+    return done
