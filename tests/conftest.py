@@ -37,13 +37,35 @@ def shipped() -> Project:
     return Project(ROOT)
 
 
+# What a throwaway project needs to resolve profiles and run invoke; the package and the
+# dashboard's build files only for tests that build the dashboard image.
+PROJECT_DIRS = ("env", "chat-templates", "fp8_configs", "fused_moe_configs", "patches")
+PROJECT_FILES = ("tasks.py", ".env.example", "compose.yaml")
+PACKAGE_PARTS = ("vllmstack", "pyproject.toml", "Dockerfile.dashboard",
+                 "Dockerfile.dashboard.dockerignore")
+
+
+def copy_project(dest: Path, *, with_package: bool = False) -> Path:
+    """A copy of the shipped project at `dest` (created) that `invoke` can run in."""
+    dest.mkdir(parents=True, exist_ok=True)
+    names = PROJECT_DIRS + PROJECT_FILES + (PACKAGE_PARTS if with_package else ())
+    for name in names:
+        src = ROOT / name
+        if src.is_dir():
+            shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+        elif src.is_file():
+            shutil.copy(src, dest / name)
+    return dest
+
+
+def write_dotenv(root: Path, settings: dict[str, str]) -> None:
+    """`.env` = `.env.example` with `settings` replacing (never duplicating) its lines."""
+    lines = [line for line in (ROOT / ".env.example").read_text().splitlines()
+             if line.split("=", 1)[0] not in settings]
+    (root / ".env").write_text("\n".join([*lines, *(f"{k}={v}" for k, v in settings.items())]) + "\n")
+
+
 @pytest.fixture
 def project(tmp_path: Path) -> Project:
     """A throwaway copy of the shipped env/ layers, .env.example and tuned-config folders."""
-    for name in ("env", "chat-templates", "fp8_configs", "fused_moe_configs", "patches"):
-        src = ROOT / name
-        if src.is_dir():
-            shutil.copytree(src, tmp_path / name)
-    shutil.copy(ROOT / ".env.example", tmp_path / ".env.example")
-    (tmp_path / "tasks.py").write_text("# marker\n")
-    return Project(tmp_path)
+    return Project(copy_project(tmp_path))

@@ -18,9 +18,8 @@ def invoke(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.fixture
-def cli_project(project: Project, repo_root: Path) -> Project:
-    (project.root / "tasks.py").write_text((repo_root / "tasks.py").read_text())
-    return project
+def cli_project(project: Project) -> Project:
+    return project  # the throwaway copy carries the real tasks.py
 
 
 def test_check_json_contract_and_exit_codes(cli_project: Project) -> None:

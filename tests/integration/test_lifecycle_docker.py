@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from conftest import ROOT, need
+from conftest import copy_project, need, write_dotenv
 from simulator.fixture import free_port
 
 SIM_IMAGE = "vllmstack/engine-sim:latest"
@@ -56,23 +56,12 @@ class Stack:
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[Stack]:
     need(docker_ok(), "Docker engine, docker-compose and the simulator image are needed")
-    root = tmp_path / "stack"
-    root.mkdir()
-    for name in ("env", "chat-templates", "fp8_configs", "fused_moe_configs", "patches", "vllmstack"):
-        if (ROOT / name).is_dir():
-            shutil.copytree(ROOT / name, root / name,
-                            ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     # The dashboard image is built from the project itself.
-    for name in ("compose.yaml", "tasks.py", ".env.example", "pyproject.toml", "Dockerfile.dashboard",
-                 "Dockerfile.dashboard.dockerignore"):
-        shutil.copy(ROOT / name, root / name)
+    root = copy_project(tmp_path / "stack", with_package=True)
     name = f"vst{os.getpid()}{tmp_path.name[-6:].replace('_', '')}".lower()
     port = free_port()
-    example = [line for line in (ROOT / ".env.example").read_text().splitlines()
-               if not line.startswith(("VLLM_PORT=", "DASHBOARD_PORT="))]
-    (root / ".env").write_text("\n".join(example)
-                               + f"\nCOMPOSE_PROJECT={name}\nVLLM_PORT={port}\n"
-                               + "OTHER_ENGINE_PORTS=\nRUNTIME=compose-v1\n")
+    write_dotenv(root, {"COMPOSE_PROJECT": name, "VLLM_PORT": str(port), "OTHER_ENGINE_PORTS": "",
+                        "RUNTIME": "compose-v1"})
     home = tmp_path / "home"
     home.mkdir()
     stack = Stack(root, home, name, port)

@@ -12,14 +12,13 @@ import base64
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, copy_project, write_dotenv
 from simulator.fixture import free_port
 
 pytestmark = pytest.mark.slow  # creates virtual environments: about 10 s each
@@ -59,17 +58,9 @@ def invoke(root: Path, home: Path, *args: str, timeout: float = 300) -> subproce
 
 
 def test_install_from_a_wheel_folder_refuse_reinstall_then_serve_natively(tmp_path: Path) -> None:
-    root = tmp_path / "stack"
-    root.mkdir()
-    for name in ("env", "chat-templates", "fp8_configs", "fused_moe_configs", "patches"):
-        if (ROOT / name).is_dir():
-            shutil.copytree(ROOT / name, root / name)
-    for name in ("tasks.py", ".env.example"):
-        shutil.copy(ROOT / name, root / name)
+    root = copy_project(tmp_path / "stack")
     port = free_port()
-    example = [line for line in (ROOT / ".env.example").read_text().splitlines()
-               if not line.startswith("VLLM_PORT=")]
-    (root / ".env").write_text("\n".join(example) + f"\nVLLM_PORT={port}\nOTHER_ENGINE_PORTS=\n")
+    write_dotenv(root, {"VLLM_PORT": str(port), "OTHER_ENGINE_PORTS": ""})
     home = tmp_path / "home"
     home.mkdir()
     wheels = tmp_path / "wheels"

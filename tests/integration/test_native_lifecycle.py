@@ -10,14 +10,13 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, copy_project, write_dotenv
 from simulator.fixture import free_port
 
 SIMULATOR = ROOT / "tests" / "simulator" / "server.py"
@@ -97,22 +96,13 @@ class Stack:
 
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[Stack]:
-    root = tmp_path / "stack"
-    root.mkdir()
-    for name in ("env", "chat-templates", "fp8_configs", "fused_moe_configs", "patches"):
-        if (ROOT / name).is_dir():
-            shutil.copytree(ROOT / name, root / name)
-    for name in ("tasks.py", ".env.example"):
-        shutil.copy(ROOT / name, root / name)
+    root = copy_project(tmp_path / "stack")
     wrapper = root / "engine-wrapper.py"
     wrapper.write_text(f"SIMULATOR = {str(SIMULATOR)!r}\n" + WRAPPER)
     port = free_port()
-    example = [line for line in (ROOT / ".env.example").read_text().splitlines()
-               if not line.startswith(("VLLM_PORT=", "DASHBOARD_PORT="))]
     command = f"{shlex.quote(sys.executable)} {shlex.quote(str(wrapper))}"
-    (root / ".env").write_text("\n".join(example) + f"\nVLLM_PORT={port}\nOTHER_ENGINE_PORTS=\n"
-                               f"RUNTIME=native\nNATIVE_ENGINE_COMMAND='{command}'\n"
-                               "NATIVE_STOP_GRACE=3\n")
+    write_dotenv(root, {"VLLM_PORT": str(port), "OTHER_ENGINE_PORTS": "", "RUNTIME": "native",
+                        "NATIVE_ENGINE_COMMAND": f"'{command}'", "NATIVE_STOP_GRACE": "3"})
     home = tmp_path / "home"
     home.mkdir()
     stack = Stack(root, home, port)
