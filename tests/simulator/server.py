@@ -1537,16 +1537,24 @@ class Handler(BaseHTTPRequestHandler):
         budget = raw if raw is not None else cfg.max_model_len - prompt_len
         return raw, budget
 
-    def post_chat(self) -> None:
-        sim = self.server.sim
+    def generation_body(self) -> dict[str, Any] | None:
+        """The request body of a generation call after the checks vLLM makes first; None when the
+        drop-requests fault swallowed the request."""
         body = self.read_json()
         if not isinstance(body, dict):
             raise bad_request("Request body must be a JSON object")
         if self.maybe_drop():
-            return
-        if sim.engine.dead:
+            return None
+        if self.server.sim.engine.dead:
             raise EngineDeadError
         self.check_model(body)
+        return body
+
+    def post_chat(self) -> None:
+        sim = self.server.sim
+        body = self.generation_body()
+        if body is None:
+            return
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise bad_request("Field required: messages", "messages")
@@ -1579,14 +1587,9 @@ class Handler(BaseHTTPRequestHandler):
 
     def post_completions(self) -> None:
         sim = self.server.sim
-        body = self.read_json()
-        if not isinstance(body, dict):
-            raise bad_request("Request body must be a JSON object")
-        if self.maybe_drop():
+        body = self.generation_body()
+        if body is None:
             return
-        if sim.engine.dead:
-            raise EngineDeadError
-        self.check_model(body)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             prompt_tokens: list[Any] = list(prompt)
