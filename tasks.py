@@ -13,9 +13,9 @@ from typing import Any
 
 from invoke import Context, Exit, task
 
-from vllmstack.paths import Project
-from vllmstack.profiles import ProfileError, Resolved, resolve
-from vllmstack.runner import SubprocessRunner
+from vllmstack.config.profiles import ProfileError, Resolved, resolve
+from vllmstack.core.paths import Project
+from vllmstack.core.runner import SubprocessRunner
 
 # Help shared by every task that resolves a profile.
 PROFILE_HELP = {
@@ -52,8 +52,8 @@ def _print_json(data: Any) -> None:
 @task
 def profiles(c: Context) -> None:
     """List platforms and model profiles, one line each."""
-    from vllmstack.config_view import render_profiles
-    from vllmstack.profiles import list_profiles
+    from vllmstack.config.profiles import list_profiles
+    from vllmstack.config.view import render_profiles
 
     print(render_profiles(list_profiles(_project())))
 
@@ -73,7 +73,7 @@ def config(
     json: bool = False,
 ) -> None:
     """Show the resolved settings; --explain shows where each came from; --vllm-args the argv."""
-    from vllmstack import config_view
+    from vllmstack.config import view as config_view
 
     resolved = _resolve(model, platform, set)
     try:
@@ -90,7 +90,7 @@ def config(
             "k": "pytest -k expression"})
 def test(c: Context, quick: bool = False, k: str | None = None) -> None:
     """Run every check: ruff, mypy, pytest. Brings up what the tests need when it is missing."""
-    from vllmstack.devenv import run_test_suite
+    from vllmstack.devtools.testsuite import run_test_suite
 
     code = run_test_suite(_project(), _runner(False), quick=quick, keyword=k)
     if code:
@@ -112,7 +112,7 @@ def check(
     verbose: bool = False,
 ) -> None:
     """Report every problem found before boot, each with the key, the file that set it and a fix."""
-    from vllmstack import checks
+    from vllmstack.checks import registry as checks
 
     resolved = _resolve(model, platform, set)
     findings = checks.check_profile(_project(), resolved, os.environ, _runner(False), deep=deep)
@@ -135,7 +135,7 @@ LIFECYCLE_HELP = {
 
 def _stack(model: str | None, platform: str | None, sets: list[str] | None, runtime: str | None,
            dry_run: bool = False) -> Any:
-    from vllmstack import lifecycle
+    from vllmstack.serve import lifecycle
 
     resolved = _resolve(model, platform, sets)
     try:
@@ -146,7 +146,7 @@ def _stack(model: str | None, platform: str | None, sets: list[str] | None, runt
 
 
 def _lifecycle_call(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    from vllmstack import lifecycle
+    from vllmstack.serve import lifecycle
 
     try:
         return fn(*args, **kwargs)
@@ -163,7 +163,7 @@ def up(c: Context, model: str | None = None, platform: str | None = None,
        timeout: float | None = None, force: bool = False, no_dashboard: bool = False,
        dry_run: bool = False) -> None:
     """Guards, render, start, wait for /health (diagnosing a crash at once), warm up, dashboard."""
-    from vllmstack import lifecycle
+    from vllmstack.serve import lifecycle
 
     stack = _stack(model, platform, set, runtime, dry_run)
     result = _lifecycle_call(lifecycle.up, stack, timeout=timeout, force=force,
@@ -177,7 +177,7 @@ def down(c: Context, model: str | None = None, platform: str | None = None,
          set: list[str] | None = None, runtime: str | None = None,
          timeout: float = 120.0, dry_run: bool = False) -> None:
     """Stop everything the stack started and wait until GPU memory is released."""
-    from vllmstack import lifecycle
+    from vllmstack.serve import lifecycle
 
     stack = _stack(model, platform, set, runtime, dry_run)
     _lifecycle_call(lifecycle.down, stack, timeout=timeout, dry_run=dry_run)
@@ -188,7 +188,7 @@ def status(c: Context, model: str | None = None, platform: str | None = None,
            set: list[str] | None = None, runtime: str | None = None,
            json: bool = False) -> None:
     """Containers (or processes), health, served model and KV cache usage."""
-    from vllmstack import lifecycle
+    from vllmstack.serve import lifecycle
 
     stack = _stack(model, platform, set, runtime)
     report = _lifecycle_call(lifecycle.status, stack)
@@ -205,7 +205,7 @@ def logs(c: Context, model: str | None = None, platform: str | None = None,
          set: list[str] | None = None, runtime: str | None = None,
          follow: bool = True, tail: int = 200, service: str = "vllm") -> None:
     """Follow the engine log."""
-    from vllmstack import lifecycle
+    from vllmstack.serve import lifecycle
 
     stack = _stack(model, platform, set, runtime)
     raise Exit(code=_lifecycle_call(lifecycle.logs, stack, follow=follow, tail=tail,
@@ -215,7 +215,7 @@ def logs(c: Context, model: str | None = None, platform: str | None = None,
 @task(name="exec", help={"runtime": LIFECYCLE_HELP["runtime"]})
 def exec_(c: Context, runtime: str | None = None) -> None:
     """Run a command in the engine container, the image's Python first on PATH: invoke exec -- CMD."""
-    from vllmstack import lifecycle
+    from vllmstack.serve import lifecycle
 
     command = _remainder() or shlex.split(c.remainder)
     stack = _stack(None, None, None, runtime)
@@ -232,7 +232,7 @@ def _remainder() -> list[str]:
 @task(help={"runtime": LIFECYCLE_HELP["runtime"], "dry_run": LIFECYCLE_HELP["dry_run"]})
 def clear_caches(c: Context, runtime: str | None = None, dry_run: bool = False) -> None:
     """Delete the engine's compile and JIT caches (vLLM, Triton, Inductor, AITER); keeps models."""
-    from vllmstack import lifecycle
+    from vllmstack.serve import lifecycle
 
     stack = _stack(None, None, None, runtime, dry_run)
     _lifecycle_call(lifecycle.clear_caches, stack, dry_run=dry_run)
@@ -242,7 +242,7 @@ def clear_caches(c: Context, runtime: str | None = None, dry_run: bool = False) 
 def dashboard_up(c: Context, model: str | None = None, platform: str | None = None,
                  set: list[str] | None = None, runtime: str | None = None) -> None:
     """Start the dashboard service alone (against the running engine)."""
-    from vllmstack import lifecycle
+    from vllmstack.serve import lifecycle
 
     stack = _stack(model, platform, set, runtime)
     _lifecycle_call(lifecycle.dashboard_up, stack)
@@ -251,7 +251,7 @@ def dashboard_up(c: Context, model: str | None = None, platform: str | None = No
 @task(help={"runtime": LIFECYCLE_HELP["runtime"]})
 def dashboard_down(c: Context, runtime: str | None = None) -> None:
     """Stop the dashboard service."""
-    from vllmstack import lifecycle
+    from vllmstack.serve import lifecycle
 
     stack = _stack(None, None, None, runtime)
     _lifecycle_call(lifecycle.dashboard_down, stack)
@@ -312,7 +312,7 @@ def verify_patches(c: Context, ref: list[str] | None = None, repo: list[str] | N
                    patches: list[str] | None = None,
                    json: bool = False) -> None:  # the CLI flag is --json
     """Check every patch and overlay against the pinned (or given) refs; exit 1 if one fails."""
-    from vllmstack import patches as patch_set
+    from vllmstack.image import patches as patch_set
 
     try:
         report = patch_set.verify_patches(
@@ -332,7 +332,7 @@ def verify_patches(c: Context, ref: list[str] | None = None, repo: list[str] | N
 
 def _build(model: str | None, platform: str | None, sets: list[str] | None, dry_run: bool,
            target: str | None, no_cache: bool) -> None:
-    from vllmstack import build as image_build
+    from vllmstack.image import build as image_build
 
     outcome = image_build.build_image(_project(), _resolve(model, platform, sets),
                                       _runner(dry_run), environ=os.environ, no_cache=no_cache,
@@ -370,7 +370,7 @@ def import_env(c: Context, file: str, name: str | None = None, extends: str | No
     """Read a profile of the earlier just/compose stack and report what maps where."""
     from pathlib import Path
 
-    from vllmstack import migrate
+    from vllmstack.config import migrate
 
     source = Path(file)
     if not source.is_file():
@@ -548,7 +548,7 @@ def install_engine(c: Context, engine: str = "vllm", version: str | None = None,
     """Create the native runtime's engine environment (.cache/engines/vllm-VERSION) with the pinned vLLM."""
     from pathlib import Path
 
-    from vllmstack import engines
+    from vllmstack.runtime.native import install as engines
 
     project = _project()
     try:

@@ -42,7 +42,7 @@ from vllmstack.bench.runs import (  # noqa: E402
 from vllmstack.bench.selftest_tokenizer import train_corpus_tokenizer  # noqa: E402
 from vllmstack.bench.stats import percentile  # noqa: E402
 from vllmstack.bench.target import target_from_url  # noqa: E402
-from vllmstack.metrics import parse_metrics  # noqa: E402
+from vllmstack.observe.metrics import parse_metrics  # noqa: E402
 
 TTFT_MS, PREFILL_TPS, ITL_MS = 100.0, 20000.0, 20.0
 TTFT_METRIC = "vllm:time_to_first_token_seconds"

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from vllmstack.dashboard.app import DashboardSettings, create_app  # noqa: E402
 from vllmstack.dashboard.live import LiveMetrics  # noqa: E402
-from vllmstack.metrics import LIVE_FAMILIES, parse_metrics  # noqa: E402
+from vllmstack.observe.metrics import LIVE_FAMILIES, parse_metrics  # noqa: E402
 
 CAPTURE = ROOT / "tests" / "data" / "metrics-load.txt"
 TARGET_MS = 10.0

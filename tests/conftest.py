@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from vllmstack.paths import Project
+from vllmstack.core.paths import Project
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"

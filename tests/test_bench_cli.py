@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 from simulator.fixture import SimProcess, run_simulator
 
-from vllmstack import history
+from vllmstack.bench import history
 from vllmstack.bench.cli import main
 from vllmstack.bench.png import read_png_size
 from vllmstack.bench.selftest_tokenizer import train_corpus_tokenizer
-from vllmstack.paths import Project
+from vllmstack.core.paths import Project
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {"SIM_BOOT_SECONDS": "0", "SIM_TTFT_MS": "20", "SIM_ITL_MS": "5"}

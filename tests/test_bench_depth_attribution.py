@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from vllmstack.bench.client import RequestResult
 from vllmstack.bench.runs import Overhead, _cached_tokens
-from vllmstack.metrics import parse_metrics
+from vllmstack.observe.metrics import parse_metrics
 
 
 def snapshot(hits: int):  # type: ignore[no-untyped-def]

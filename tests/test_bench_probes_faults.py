@@ -11,14 +11,14 @@ from typing import Any
 import pytest
 from simulator.fixture import run_simulator
 
-from vllmstack import history
+from vllmstack.bench import history
 from vllmstack.bench.cli import main
 from vllmstack.bench.client import RequestResult
 from vllmstack.bench.png import decode_png, read_png_size
 from vllmstack.bench.probes import make_probe_image, stall_windows
 from vllmstack.bench.selftest_tokenizer import train_corpus_tokenizer
 from vllmstack.bench.stability import check_loop
-from vllmstack.paths import Project
+from vllmstack.core.paths import Project
 
 FAST = {"SIM_BOOT_SECONDS": "0", "SIM_TTFT_MS": "5", "SIM_ITL_MS": "2"}
 ARGV = ["--served-model-name", "sim", "--max-model-len", "16384", "--max-num-seqs", "8",

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vllmstack import history
+from vllmstack.bench import history
 from vllmstack.bench.png import decode_png, read_png_size
 from vllmstack.bench.report import build_report, chart_series, render_chart, render_markdown
 

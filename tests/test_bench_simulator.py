@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from simulator.fixture import SimProcess, run_simulator
 
-from vllmstack import history
+from vllmstack.bench import history
 from vllmstack.bench.runs import RunOptions, execute
 from vllmstack.bench.selftest_tokenizer import train_corpus_tokenizer
 from vllmstack.bench.target import target_from_url

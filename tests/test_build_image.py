@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from vllmstack import build
-from vllmstack.patches import VerifyReport, patch_set_hash
-from vllmstack.paths import Project
-from vllmstack.profiles import resolve
-from vllmstack.runner import RecordingRunner, Result, SubprocessRunner
-from vllmstack.schema import load_schema
+from vllmstack.config.profiles import resolve
+from vllmstack.config.schema import load_schema
+from vllmstack.core.paths import Project
+from vllmstack.core.runner import RecordingRunner, Result, SubprocessRunner
+from vllmstack.image import build
+from vllmstack.image.patches import VerifyReport, patch_set_hash
 
 ROOT = Path(__file__).resolve().parents[1]
 GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from vllmstack.checks import run_checks
-from vllmstack.findings import Finding
-from vllmstack.paths import Project
-from vllmstack.profiles import list_profiles, resolve
+from vllmstack.checks.registry import run_checks
+from vllmstack.config.profiles import list_profiles, resolve
+from vllmstack.core.findings import Finding
+from vllmstack.core.paths import Project
 
 
 def check(project: Project, *sets: str, model: str = "qwen3.8-27b", platform: str = "2xr9700",
@@ -281,8 +281,8 @@ def test_local_paths_need_no_mount_for_the_native_runtime(project: Project, tmp_
 def test_deep_check_says_when_vllms_parser_accepts_the_argv(
     project: Project, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from vllmstack import checks
-    from vllmstack.runner import RecordingRunner
+    from vllmstack.checks import registry as checks
+    from vllmstack.core.runner import RecordingRunner
 
     seen: list[list[str]] = []
     verdicts: list[list[Finding]] = [[], [Finding("error", "vllm-unknown-flag", "no flag --x")]]

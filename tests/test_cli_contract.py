@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from vllmstack.paths import Project
+from vllmstack.core.paths import Project
 
 
 def invoke(root: Path, *args: str) -> subprocess.CompletedProcess[str]:

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from vllmstack import history
+from vllmstack.bench import history
 from vllmstack.dashboard.__main__ import main, parse_settings
 from vllmstack.dashboard.app import DashboardError, DashboardSettings, create_app
 from vllmstack.dashboard.runs import RunError, bench_command

@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from vllmstack import compose, diagnosis, lifecycle
-from vllmstack.gpu import GIB, AmdSysfsProbe, GpuMemory
-from vllmstack.paths import Project
-from vllmstack.profiles import resolve
-from vllmstack.runner import RecordingRunner, Result
-from vllmstack.runtime import EngineState
-from vllmstack.vllm_args import build_serve_argv
+from vllmstack.config.profiles import resolve
+from vllmstack.config.vllm_args import build_serve_argv
+from vllmstack.core.paths import Project
+from vllmstack.core.runner import RecordingRunner, Result
+from vllmstack.runtime import compose
+from vllmstack.runtime.base import EngineState
+from vllmstack.runtime.gpu import GIB, AmdSysfsProbe, GpuMemory
+from vllmstack.serve import diagnosis, lifecycle
 
 DATA = Path(__file__).parent / "data"
 
@@ -275,7 +276,7 @@ def test_overlays_and_fp8_configs_mount_into_the_labelled_package(project: Proje
     volumes = service.get("volumes", [])
     fp8 = [v for v in volumes if v.startswith(str(folder))]
     assert fp8 == [f"{folder / mine}:/opt/vllm-package/{compose.FP8_CONFIG_DIR}/{mine}:ro"]
-    from vllmstack.patches import load_overlays
+    from vllmstack.image.patches import load_overlays
 
     for overlay in load_overlays(project):
         target = overlay.target.removeprefix("vllm/")

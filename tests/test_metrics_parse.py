@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from vllmstack.metrics import (
+from vllmstack.observe.metrics import (
     LIVE_FAMILIES,
     MetricsError,
     MetricsSnapshot,

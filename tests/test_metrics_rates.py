@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllmstack.metrics import MetricsSnapshot, RateDeriver, parse_metrics
+from vllmstack.observe.metrics import MetricsSnapshot, RateDeriver, parse_metrics
 
 
 def snap(

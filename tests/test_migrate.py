@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from vllmstack import migrate
-from vllmstack.paths import Project
-from vllmstack.profiles import resolve
+from vllmstack.config import migrate
+from vllmstack.config.profiles import resolve
+from vllmstack.core.paths import Project
 
 ANCHOR_PROFILE = """\
 # qwen3.8-27b from the earlier stack

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from vllmstack import engines
-from vllmstack.engines import EngineInstallError, install_engine
-from vllmstack.native import ProcTable
-from vllmstack.paths import Project
-from vllmstack.runner import RecordingRunner, Result
+from vllmstack.core.paths import Project
+from vllmstack.core.runner import RecordingRunner, Result
+from vllmstack.runtime.native import install as engines
+from vllmstack.runtime.native.engine import ProcTable
+from vllmstack.runtime.native.install import EngineInstallError, install_engine
 
 PY = "/usr/bin/python3.12"
 PACKAGES = [{"name": "vllm", "version": "0.31.0"}, {"name": "torch", "version": "2.13.0"},

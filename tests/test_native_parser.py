@@ -8,20 +8,20 @@ import os
 import pytest
 from conftest import need
 
-from vllmstack import native
-from vllmstack.paths import Project
-from vllmstack.profiles import list_profiles, resolve
-from vllmstack.runner import SubprocessRunner
+from vllmstack.config.profiles import list_profiles, resolve
+from vllmstack.core.paths import Project
+from vllmstack.core.runner import SubprocessRunner
+from vllmstack.runtime.native import engine as native
 
 
 @pytest.mark.slow  # creates (once) and runs the pinned vLLM's parser
 def test_every_shipped_native_argv_is_accepted_by_the_real_vllm_parser(
         shipped: Project) -> None:
     try:
-        parser = importlib.import_module("vllmstack.vllm_parser")
+        parser = importlib.import_module("vllmstack.checks.deep")
     except ImportError:
         parser = None
-    need(parser is not None, "vllmstack.vllm_parser (the `check --deep` parser) is needed")
+    need(parser is not None, "vllmstack.checks.deep (the `check --deep` parser) is needed")
     assert parser is not None
     environ = dict(os.environ)  # the parser finds model configs in the usual HF cache
     argvs, origins, names = [], [], []

@@ -16,15 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from vllmstack import native
-from vllmstack.compose import engine_environment
-from vllmstack.native import EngineRecord, NativeEngine, NativeError, ProcTable, parse_stat
-from vllmstack.paths import Project
-from vllmstack.profiles import list_profiles, resolve
-from vllmstack.runner import RecordingRunner, SubprocessRunner
-from vllmstack.runtime import MISSING
-from vllmstack.schema import load_schema
-from vllmstack.vllm_args import build_serve_argv
+from vllmstack.config.profiles import list_profiles, resolve
+from vllmstack.config.schema import load_schema
+from vllmstack.config.vllm_args import build_serve_argv
+from vllmstack.core.paths import Project
+from vllmstack.core.runner import RecordingRunner, SubprocessRunner
+from vllmstack.runtime.base import MISSING
+from vllmstack.runtime.compose import engine_environment
+from vllmstack.runtime.native import engine as native
+from vllmstack.runtime.native.engine import EngineRecord, NativeEngine, NativeError, ProcTable, parse_stat
 
 # --- /proc parsing on a fake tree ------------------------------------------------------------------
 
@@ -384,7 +384,7 @@ def test_dry_run_prints_the_engine_command_and_starts_nothing(project: Project,
     assert "serve Qwen/Qwen3-0.6B" in text and "VLLMSTACK_ENGINE_ID" not in text
     runner = engine.runner
     assert isinstance(runner, RecordingRunner)
-    assert runner.calls and runner.calls[-1][1:4] == ("-m", "vllmstack.native", "keep")
+    assert runner.calls and runner.calls[-1][1:4] == ("-m", "vllmstack.runtime.native.engine", "keep")
     assert not (project.generated / "native").exists()
 
 
@@ -403,7 +403,7 @@ def test_keeper_reports_an_engine_that_cannot_run(project: Project, tmp_path: Pa
                                 "record": str(folder / "engine.json"),
                                 "exit": str(folder / "engine.exit.json"), "marker": "x" * 32}))
     (tmp_path / "not-executable").write_text("#!/bin/sh\n")
-    result = subprocess.run([sys.executable, "-m", "vllmstack.native", "keep", str(spec)],
+    result = subprocess.run([sys.executable, "-m", "vllmstack.runtime.native.engine", "keep", str(spec)],
                             capture_output=True, text=True, timeout=30, cwd=native.PACKAGE_PARENT,
                             check=False)
     assert result.returncode == 1
@@ -426,7 +426,7 @@ def test_signals_go_only_to_the_same_process(bystander: subprocess.Popen[bytes])
 
 def test_down_fails_loudly_when_a_process_survives_sigkill(
         project: Project, proc_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from vllmstack.lifecycle import LifecycleError
+    from vllmstack.serve.lifecycle import LifecycleError
 
     # A process stuck in the kernel ignores even SIGKILL; a fake table keeps reporting it. Its pid
     # is above pid_max, so no signal can reach a real process.

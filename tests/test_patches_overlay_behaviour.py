@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from vllmstack.patches import load_overlays
-from vllmstack.paths import Project
+from vllmstack.core.paths import Project
+from vllmstack.image.patches import load_overlays
 
 ROOT = Path(__file__).resolve().parents[1]
 

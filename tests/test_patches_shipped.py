@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 from conftest import need
 
-from vllmstack.patches import load_overlays, patch_files, sdist_repo, verify_patches
-from vllmstack.paths import Project
-from vllmstack.profiles import resolve
-from vllmstack.runner import SubprocessRunner
+from vllmstack.config.profiles import resolve
+from vllmstack.core.paths import Project
+from vllmstack.core.runner import SubprocessRunner
+from vllmstack.image.patches import load_overlays, patch_files, sdist_repo, verify_patches
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "scripts" / "apply-patches.py"

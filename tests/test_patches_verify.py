@@ -16,7 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from vllmstack.patches import (
+from vllmstack.config.profiles import resolve
+from vllmstack.core.paths import Project
+from vllmstack.core.runner import SubprocessRunner
+from vllmstack.image.patches import (
     PatchError,
     load_overlays,
     mirror_path,
@@ -26,9 +29,6 @@ from vllmstack.patches import (
     render_report,
     verify_patches,
 )
-from vllmstack.paths import Project
-from vllmstack.profiles import resolve
-from vllmstack.runner import SubprocessRunner
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "scripts" / "apply-patches.py"

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from vllmstack.paths import Project
-from vllmstack.profiles import ProfileError, read_env_file, resolve
+from vllmstack.config.profiles import ProfileError, read_env_file, resolve
+from vllmstack.core.paths import Project
 
 
 def codes(resolved):  # type: ignore[no-untyped-def]

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from vllmstack import vllm_args
-from vllmstack.profiles import read_env_file
-from vllmstack.schema import load_schema, validate_value
+from vllmstack.config import vllm_args
+from vllmstack.config.profiles import read_env_file
+from vllmstack.config.schema import load_schema, validate_value
 
 ROOT = Path(__file__).resolve().parents[1]
 # `# KEY=value` lines in .env.example are keys a user is invited to uncomment.

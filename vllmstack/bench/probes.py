@@ -28,7 +28,7 @@ from vllmstack.bench.png import Canvas, text_width
 from vllmstack.bench.prompts import PromptBuilder, load_corpus
 from vllmstack.bench.stats import percentile
 from vllmstack.bench.verdict import FAIL, INFO, PASS, Verdict
-from vllmstack.metrics import MetricsError, MetricsSnapshot, parse_metrics
+from vllmstack.observe.metrics import MetricsError, MetricsSnapshot, parse_metrics
 
 Progress = Callable[[str], None]
 THINKING_OFF = {"chat_template_kwargs": {"enable_thinking": False}}

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from vllmstack import history
+from vllmstack.bench import history
 from vllmstack.bench.png import GLYPH_H, Canvas, Color, text_width
 
 SERIES_COLORS: list[Color] = [(31, 119, 180), (214, 39, 40), (44, 160, 44), (255, 127, 14),

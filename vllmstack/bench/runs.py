@@ -18,13 +18,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllmstack import history
+from vllmstack.bench import history
 from vllmstack.bench.client import ChatClient, EndpointError, RequestResult, chat_body
 from vllmstack.bench.ladders import DEFAULT_MARGIN, conc_ladder, depth_ladder
 from vllmstack.bench.prompts import PromptBuilder, load_tokenizer, resolve_tokenizer
 from vllmstack.bench.stats import summarize
 from vllmstack.bench.target import Target
-from vllmstack.metrics import MetricsError, MetricsSnapshot, parse_metrics
+from vllmstack.observe.metrics import MetricsError, MetricsSnapshot, parse_metrics
 
 Progress = Callable[[str], None]
 

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllmstack.profiles import Resolved
+from vllmstack.config.profiles import Resolved
 
 PIN_KEY = re.compile(r"^[A-Z0-9_]+_(REF|VERSION|IMAGE)$")
 

@@ -42,7 +42,7 @@ from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 
-from vllmstack import history
+from vllmstack.bench import history
 from vllmstack.dashboard.live import LiveMetrics
 from vllmstack.dashboard.runs import (
     RUN_KINDS,
@@ -53,7 +53,7 @@ from vllmstack.dashboard.runs import (
     RunNotActiveError,
     bench_command,
 )
-from vllmstack.metrics import metrics_url
+from vllmstack.observe.metrics import metrics_url
 
 STATIC_DIR = Path(__file__).parent / "static"
 HISTORY_KINDS = ("bench", "depth", "conc")

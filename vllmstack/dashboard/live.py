@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllmstack.metrics import (
+from vllmstack.observe.metrics import (
     LIVE_FAMILIES,
     SPEC_DRAFT_TOKENS,
     MetricsError,

@@ -8,9 +8,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllmstack.paths import Project
-from vllmstack.profiles import read_env_file
-from vllmstack.schema import Schema, is_engine_env_name, load_schema
+from vllmstack.config.profiles import read_env_file
+from vllmstack.config.schema import Schema, is_engine_env_name, load_schema
+from vllmstack.core.paths import Project
 
 # Keys that were values in the old stack but are decided elsewhere here.
 MOVED = {

@@ -13,6 +13,7 @@ Every value keeps the file and line that set it.
 from __future__ import annotations
 
 import io
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,9 +21,10 @@ from pathlib import Path
 
 from dotenv.parser import parse_stream
 
-from vllmstack.findings import Finding
-from vllmstack.paths import Project
-from vllmstack.schema import Schema, as_list, is_engine_env_name, load_schema, validate_value
+from vllmstack.config.schema import Schema, as_bool, as_list, is_engine_env_name, load_schema, validate_value
+from vllmstack.core.errors import SettingError, StackError
+from vllmstack.core.findings import Finding
+from vllmstack.core.paths import Project
 
 PLATFORM_DIR = "platforms"
 MODEL_DIR = "models"
@@ -58,6 +60,7 @@ class Resolved:
     problems: list[Finding] = field(default_factory=list)
     # Every assignment in order, so checks can say what overrode what.
     history: dict[str, list[Setting]] = field(default_factory=dict)
+    schema: Schema | None = None  # for defaults; loaded on first need when absent
 
     def get(self, key: str, default: str | None = None) -> str | None:
         setting = self.values.get(key)
@@ -70,8 +73,49 @@ class Resolved:
     def as_env(self) -> dict[str, str]:
         return {k: s.value for k, s in self.values.items()}
 
+    # Typed accessors: an unset or empty value falls back to the schema default, so a default is
+    # written once (schema.yaml), never restated as `get(...) or <literal>` at a call site.
 
-class ProfileError(Exception):
+    def get_str(self, key: str) -> str:
+        value = self.get(key)
+        if value is None or value == "":
+            return self._schema_default(key) or ""
+        return value
+
+    def get_int(self, key: str) -> int:
+        text = self.get_str(key).strip()
+        try:
+            return int(text)
+        except ValueError:
+            raise self._bad(key, text, "a whole number") from None
+
+    def get_float(self, key: str) -> float:
+        text = self.get_str(key).strip()
+        try:
+            number = float(text)
+        except ValueError:
+            raise self._bad(key, text, "a number") from None
+        if not math.isfinite(number):
+            raise self._bad(key, text, "a finite number")
+        return number
+
+    def get_bool(self, key: str) -> bool:
+        return as_bool(self.get_str(key))
+
+    def get_list(self, key: str) -> list[str]:
+        return as_list(self.get_str(key))
+
+    def _schema_default(self, key: str) -> str | None:
+        spec = (self.schema or load_schema()).get(key)
+        return spec.default if spec is not None else None
+
+    def _bad(self, key: str, text: str, wanted: str) -> SettingError:
+        where = self.source(key) or "default"
+        return SettingError(f"{key}={text!r} (set at {where}) is not {wanted}",
+                            f"fix {key} at {where} (`invoke check` lists every bad value)")
+
+
+class ProfileError(StackError):
     """Selection failed (unknown platform or profile); the message says what exists."""
 
 
@@ -259,6 +303,7 @@ def resolve(
         layers=[p for p, _, _ in stack.order],
         problems=stack.problems,
         history=history,
+        schema=schema,
     )
 
 

@@ -28,11 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllmstack.findings import Finding
-from vllmstack.paths import Project
-from vllmstack.profiles import Resolved
-from vllmstack.runner import Result, Runner, format_command
-from vllmstack.vllm_args import ARGS_KEYS, JSON_FLAGS, VALUE_FLAGS
+from vllmstack.config.profiles import Resolved
+from vllmstack.config.vllm_args import ARGS_KEYS, JSON_FLAGS, VALUE_FLAGS
+from vllmstack.core.findings import Finding
+from vllmstack.core.paths import Project
+from vllmstack.core.runner import Result, Runner, format_command
 
 SCRIPT = Path("scripts") / "vllm-parse-argv.py"
 MARKER = "VLLMSTACK-PARSE-RESULT "
@@ -129,7 +129,7 @@ class ParserEnv:
 def script_path(project: Project) -> Path:
     """The parse script: the project's copy, else the one shipped beside this package."""
     mine = project.root / SCRIPT
-    return mine if mine.is_file() else Path(__file__).resolve().parents[1] / SCRIPT
+    return mine if mine.is_file() else Path(__file__).resolve().parents[2] / SCRIPT
 
 
 def parser_env_dir(project: Project, version: str) -> Path:

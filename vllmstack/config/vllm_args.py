@@ -14,9 +14,9 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllmstack.findings import Finding
-from vllmstack.profiles import Resolved
-from vllmstack.schema import as_bool
+from vllmstack.config.profiles import Resolved
+from vllmstack.config.schema import as_bool
+from vllmstack.core.findings import Finding
 
 CONTAINER_CHAT_TEMPLATES = "/app/chat-templates"
 # Flags whose value is a plain setting: (key, flag). Empty values drop the flag.

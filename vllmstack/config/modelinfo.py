@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllmstack.paths import home_dir
-from vllmstack.profiles import Resolved
+from vllmstack.config.profiles import Resolved
+from vllmstack.core.paths import home_dir
 
 GIB = 1024**3
 MIB = 1024**2

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from vllmstack.profiles import ProfileInfo, Resolved
-from vllmstack.vllm_args import ArgvError, build_serve_argv
+from vllmstack.config.profiles import ProfileInfo, Resolved
+from vllmstack.config.vllm_args import ArgvError, build_serve_argv
 
 
 class ConfigError(Exception):

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllmstack.paths import Project
-from vllmstack.profiles import Resolved
-from vllmstack.runner import Runner
+from vllmstack.config.profiles import Resolved
+from vllmstack.core.paths import Project
+from vllmstack.core.runner import Runner
 
 # Patch folder name -> the settings that name its repository and ref.
 COMPONENTS: dict[str, tuple[str, str]] = {

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from vllmstack.paths import Project
-from vllmstack.profiles import Resolved
-from vllmstack.runner import Runner
+from vllmstack.config.profiles import Resolved
+from vllmstack.core.paths import Project
+from vllmstack.core.runner import Runner
 
 ENGINES = ("vllm",)
 MANIFEST = "vllmstack-engine.json"
@@ -186,7 +186,7 @@ def pick_engine_wheel(wheels: Path, version: str, python: tuple[int, int]) -> Wh
 
 def check_not_in_use(project: Project, folder: Path) -> None:
     """Refuse to replace the environment a running native engine was started from."""
-    from vllmstack.native import ProcTable, read_record
+    from vllmstack.runtime.native.engine import ProcTable, read_record
 
     record = read_record(project)
     if record is None or not record.argv:

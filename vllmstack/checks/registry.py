@@ -13,9 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllmstack import build, patches, vllm_parser
-from vllmstack.findings import Finding, sort_findings
-from vllmstack.modelinfo import (
+from vllmstack.checks import deep as vllm_parser
+from vllmstack.config.modelinfo import (
     GIB,
     MIB,
     ModelFacts,
@@ -24,11 +23,13 @@ from vllmstack.modelinfo import (
     kv_bytes_per_token_per_gpu,
     load_model_facts,
 )
-from vllmstack.paths import Project
-from vllmstack.profiles import Resolved
-from vllmstack.runner import Runner
-from vllmstack.schema import Schema, as_bool, as_list, load_schema
-from vllmstack.vllm_args import ArgvError, ServeCommand, build_serve_argv, spec_config
+from vllmstack.config.profiles import Resolved
+from vllmstack.config.schema import Schema, as_bool, as_list, load_schema
+from vllmstack.config.vllm_args import ArgvError, ServeCommand, build_serve_argv, spec_config
+from vllmstack.core.findings import Finding, sort_findings
+from vllmstack.core.paths import Project
+from vllmstack.core.runner import Runner
+from vllmstack.image import build, patches
 
 # MTP with more than one draft token corrupts output from this many concurrent sequences on.
 MTP_CORRUPTION_SEQS = 4

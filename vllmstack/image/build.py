@@ -15,8 +15,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllmstack.findings import Finding
-from vllmstack.patches import (
+from vllmstack.config.profiles import Resolved
+from vllmstack.config.schema import Schema, load_schema
+from vllmstack.core.findings import Finding
+from vllmstack.core.paths import Project
+from vllmstack.core.runner import Result, Runner
+from vllmstack.image.patches import (
     COMPONENTS,
     PatchError,
     VerifyReport,
@@ -28,10 +32,6 @@ from vllmstack.patches import (
     render_report,
     verify_patches,
 )
-from vllmstack.paths import Project
-from vllmstack.profiles import Resolved
-from vllmstack.runner import Result, Runner
-from vllmstack.schema import Schema, load_schema
 
 BUILD_FILE = "Dockerfile.fullbuild"
 PACKAGE_LINK = "/opt/vllm-package"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import sys
 
-from vllmstack.paths import Project
-from vllmstack.runner import Runner
+from vllmstack.core.paths import Project
+from vllmstack.core.runner import Runner
 
 PYTEST_NO_TESTS = 5
 

@@ -1,7 +1,7 @@
 """The runtime seam: how an engine is started, watched, logged and stopped.
 
-Two implementations: Compose (a container, vllmstack.compose) and a native process group
-(vllmstack.native). Everything else in `up`/`down`/`status` is shared.
+Two implementations: Compose (a container, vllmstack.runtime.compose) and a native process group
+(vllmstack.runtime.native.engine). Everything else in `up`/`down`/`status` is shared.
 """
 
 from __future__ import annotations

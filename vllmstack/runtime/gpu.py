@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from vllmstack.runner import Runner
+from vllmstack.core.runner import Runner
 
 GIB = 1024**3
 

@@ -2,7 +2,7 @@
 
 `invoke up --runtime native` runs the argv and environment the container would get (only the
 bind address and the chat-template folder differ) as a process group in its own session. A
-small keeper (`python -m vllmstack.native keep SPEC`, started through the Runner, which returns
+small keeper (`python -m vllmstack.runtime.native.engine keep SPEC`, started through the Runner, which returns
 as soon as the engine is launched) starts the engine, records it and waits for it, so a later
 `invoke status`/`down` from another process finds it and learns its exit code.
 
@@ -38,11 +38,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from vllmstack import engines
-from vllmstack.paths import Project
-from vllmstack.profiles import Resolved
-from vllmstack.runner import Runner
-from vllmstack.runtime import MISSING, EngineState
+from vllmstack.config.profiles import Resolved
+from vllmstack.core.paths import Project
+from vllmstack.core.runner import Runner
+from vllmstack.runtime.base import MISSING, EngineState
+from vllmstack.runtime.native import install as engines
 
 FOLDER = "native"
 MARKER_VAR = "VLLMSTACK_ENGINE_ID"
@@ -51,9 +51,9 @@ KILL_WAIT_S = 10.0
 # The keeper writes the exit code a moment after the engine ends; state() waits this long for it.
 EXIT_WAIT_S = 2.0
 POLL_S = 0.1
-# `python -m vllmstack.native` runs from here, so it imports this very package whatever the
+# `python -m vllmstack.runtime.native.engine` runs from here, so it imports this very package whatever the
 # caller's PYTHONPATH or working folder (the engine's own working folder is the project root).
-PACKAGE_PARENT = Path(__file__).resolve().parents[1]
+PACKAGE_PARENT = Path(__file__).resolve().parents[3]
 
 
 class NativeError(RuntimeError):
@@ -323,9 +323,9 @@ class NativeCommand:
 def native_serve_command(project: Project, resolved: Resolved,
                          environ: Mapping[str, str]) -> NativeCommand:
     """The argv and environment of the native engine: the container's, with host paths."""
-    from vllmstack.compose import FP8_CONFIG_DIR, engine_environment, stack_paths
-    from vllmstack.schema import load_schema
-    from vllmstack.vllm_args import ArgvError, build_serve_argv
+    from vllmstack.config.schema import load_schema
+    from vllmstack.config.vllm_args import ArgvError, build_serve_argv
+    from vllmstack.runtime.compose import FP8_CONFIG_DIR, engine_environment, stack_paths
 
     version = engines.engine_version(resolved)
     try:
@@ -373,7 +373,7 @@ def native_serve_command(project: Project, resolved: Resolved,
 
 def _unapplied_files(project: Project, resolved: Resolved, fp8_dir: str) -> list[str]:
     """What containers get mounted into vLLM's package that a host process cannot get."""
-    from vllmstack import patches
+    from vllmstack.image import patches
 
     notes = []
     try:
@@ -521,7 +521,7 @@ class NativeEngine:
                 "cwd": str(self.project.root), "log": str(self.log_path),
                 "record": str(self.record_path), "exit": str(self.exit_path), "marker": marker,
                 "grace": self.grace}
-        keeper = [self.python, "-m", "vllmstack.native", "keep", str(self.spec_path)]
+        keeper = [self.python, "-m", "vllmstack.runtime.native.engine", "keep", str(self.spec_path)]
         if self.runner.dry_run:
             print(f"(dry run) the native engine would run: {command.shell()}", file=self.out)
             self.runner.run(keeper, cwd=PACKAGE_PARENT)
@@ -589,7 +589,7 @@ class NativeEngine:
         except NativeError as exc:
             # `down` must fail loudly when a process survives, in the caller's own terms (the
             # lifecycle is imported by then; the keeper never gets here).
-            from vllmstack.lifecycle import LifecycleError
+            from vllmstack.serve.lifecycle import LifecycleError
 
             raise LifecycleError(str(exc), exc.fix) from exc
 
@@ -701,7 +701,7 @@ class NativeEngine:
             path.unlink(missing_ok=True)
 
 
-# --- the keeper (python -m vllmstack.native keep SPEC) -----------------------------------------
+# --- the keeper (python -m vllmstack.runtime.native.engine keep SPEC) -----------------------------------------
 
 
 def keep(spec_path: Path) -> int:
@@ -788,7 +788,7 @@ def run_keeper(spec: dict[str, Any], report_fd: int) -> None:
 def main(argv: Sequence[str]) -> int:
     if len(argv) == 2 and argv[0] == "keep":
         return keep(Path(argv[1]))
-    print("usage: python -m vllmstack.native keep SPEC.json  (started by `invoke up --runtime native`)",
+    print("usage: python -m vllmstack.runtime.native.engine keep SPEC.json  (started by `invoke up --runtime native`)",
           file=sys.stderr)
     return 2
 

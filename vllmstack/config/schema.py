@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import shlex
 from dataclasses import dataclass
 from importlib import resources
@@ -65,7 +66,7 @@ def _default_text(value: Any) -> str | None:
 def load_schema(text: str | None = None) -> Schema:
     """Parse the schema (the packaged schema.yaml unless `text` is given)."""
     if text is None:
-        text = resources.files("vllmstack").joinpath("schema.yaml").read_text(encoding="utf-8")
+        text = resources.files("vllmstack.config").joinpath("schema.yaml").read_text(encoding="utf-8")
     raw = yaml.safe_load(text)
     keys: dict[str, Key] = {}
     for name, spec in raw.items():
@@ -108,6 +109,9 @@ def validate_value(key: Key, raw: str) -> str | None:
             number = float(raw)
         except ValueError:
             return f"expects a number, got {raw!r}"
+        if not math.isfinite(number):
+            # float() accepts nan/inf, and nan passes every range comparison.
+            return f"expects a finite number, got {raw!r}"
         return _range_problem(key, number)
     if key.type == "bool":
         if raw.lower() not in TRUE_WORDS | FALSE_WORDS:

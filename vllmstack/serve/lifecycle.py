@@ -18,16 +18,18 @@ from typing import Any, TextIO
 
 import requests
 
-from vllmstack import build, compose, diagnosis
-from vllmstack.checks import run_checks
-from vllmstack.findings import Finding
-from vllmstack.gpu import GIB, GpuMemory, GpuProbe, total_used
-from vllmstack.paths import Project
-from vllmstack.profiles import Resolved
-from vllmstack.runner import Runner
-from vllmstack.runtime import EngineRuntime, EngineState
-from vllmstack.schema import as_bool, as_list
-from vllmstack.vllm_args import ServeCommand
+from vllmstack.checks.registry import run_checks
+from vllmstack.config.profiles import Resolved
+from vllmstack.config.schema import as_bool, as_list
+from vllmstack.config.vllm_args import ServeCommand
+from vllmstack.core.findings import Finding
+from vllmstack.core.paths import Project
+from vllmstack.core.runner import Runner
+from vllmstack.image import build
+from vllmstack.runtime import compose
+from vllmstack.runtime.base import EngineRuntime, EngineState
+from vllmstack.runtime.gpu import GIB, GpuMemory, GpuProbe, total_used
+from vllmstack.serve import diagnosis
 
 POLL_S = 0.5
 STATE_FILE = "state.json"
@@ -419,7 +421,7 @@ def open_stack(
     out: TextIO | None = None,
 ) -> Stack:
     """Pick the runtime (--runtime, else RUNTIME, else what a previous `up` used, else detect)."""
-    from vllmstack.gpu import probe_for
+    from vllmstack.runtime.gpu import probe_for
 
     previous = read_state(project) or {}
     requested = runtime or resolved.get("RUNTIME") or "auto"
@@ -430,7 +432,7 @@ def open_stack(
     probe = probe or probe_for(resolved.get("GPU_VENDOR") or "none", runner,
                                unified_memory=as_bool(resolved.get("UNIFIED_MEMORY")))
     if requested == "native":
-        from vllmstack import native
+        from vllmstack.runtime.native import engine as native
 
         engine: EngineRuntime = native.NativeEngine.for_stack(project, resolved, environ, runner)
     else:
@@ -652,7 +654,7 @@ def down(stack: Stack, *, timeout: float = 120.0, dry_run: bool = False) -> bool
 
 def status(stack: Stack) -> dict[str, Any]:
     """`invoke status --json`: containers/processes, health, served model, KV usage."""
-    from vllmstack import metrics
+    from vllmstack.observe import metrics
 
     state = stack.engine.state()
     code = health_status(stack.url) if state.running else None
@@ -716,7 +718,7 @@ def logs(stack: Stack, *, follow: bool = True, tail: int = 200, service: str = "
         argv = engine.compose("--profile", "dashboard", "logs", "--tail", str(tail),
                               *(["-f"] if follow else []), service)
         return stack.runner.run(argv, capture=False, mutates=False).returncode
-    from vllmstack import native
+    from vllmstack.runtime.native import engine as native
 
     if isinstance(engine, native.NativeEngine) and service == "vllm":
         return stack.runner.run(engine.log_command(tail=tail, follow=follow), capture=False,

@@ -18,12 +18,12 @@ from typing import Any
 
 import yaml
 
-from vllmstack.paths import Project, home_dir
-from vllmstack.profiles import Resolved
-from vllmstack.runner import Runner
-from vllmstack.runtime import MISSING, EngineState
-from vllmstack.schema import Schema, is_engine_env_name, load_schema
-from vllmstack.vllm_args import ServeCommand
+from vllmstack.config.profiles import Resolved
+from vllmstack.config.schema import Schema, is_engine_env_name, load_schema
+from vllmstack.config.vllm_args import ServeCommand
+from vllmstack.core.paths import Project, home_dir
+from vllmstack.core.runner import Runner
+from vllmstack.runtime.base import MISSING, EngineState
 
 ENGINE_SERVICE = "vllm"
 DASHBOARD_SERVICE = "dashboard"
@@ -277,7 +277,7 @@ def dashboard_service(resolved: Resolved, paths: StackPaths) -> dict[str, Any]:
 
 
 def _overlay_mounts(project: Project, package_dir: str, notes: list[str]) -> list[str]:
-    from vllmstack import patches
+    from vllmstack.image import patches
 
     mounts = []
     for overlay in patches.load_overlays(project):
