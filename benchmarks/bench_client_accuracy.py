@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from simulator.fixture import run_simulator  # noqa: E402
+from simulator.fixture import run_simulator, sim_env  # noqa: E402
 
 from vllmstack.bench.client import ChatClient, chat_body  # noqa: E402
 from vllmstack.bench.prompts import PromptBuilder, load_tokenizer  # noqa: E402
@@ -45,15 +45,8 @@ from vllmstack.bench.target import target_from_url  # noqa: E402
 from vllmstack.observe.metrics import parse_metrics  # noqa: E402
 
 TTFT_MS, PREFILL_TPS, ITL_MS = 100.0, 20000.0, 20.0
+PACING = {"ttft_ms": TTFT_MS, "prefill_tps": PREFILL_TPS, "itl_ms": ITL_MS}
 TTFT_METRIC = "vllm:time_to_first_token_seconds"
-
-
-def sim_env(tokenizer: Path, **extra: str) -> dict[str, str]:
-    env = {"SIM_BOOT_SECONDS": "0", "SIM_TTFT_MS": str(TTFT_MS),
-           "SIM_PREFILL_TPS": str(PREFILL_TPS), "SIM_ITL_MS": str(ITL_MS),
-           "SIM_TOKENIZER": str(tokenizer)}
-    env.update(extra)
-    return env
 
 
 def decode_truth_tps(tg: int, tokens_per_chunk: int) -> float:
@@ -139,7 +132,11 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer runs, shorter levels")
     args = parser.parse_args()
     runs, duration = (3, 8.0) if args.quick else (args.runs, args.duration)
-    folder = Path(tempfile.mkdtemp(prefix="bench-accuracy-"))
+    with tempfile.TemporaryDirectory(prefix="bench-accuracy-") as folder:
+        return measure(Path(folder), runs, duration)
+
+
+def measure(folder: Path, runs: int, duration: float) -> int:
     tokenizer_path = train_corpus_tokenizer(folder / "tokenizer.json")
     tokenizer = load_tokenizer(tokenizer_path)
     argv = ["--served-model-name", "sim", "--max-model-len", "32768", "--max-num-seqs", "64"]
@@ -158,7 +155,7 @@ def main() -> int:
          {"stream_options": {"include_usage": True}}),
     ]
     for label, extra_env, role, per_chunk, extra_body in cases:
-        with run_simulator(env=sim_env(tokenizer_path, **extra_env), argv=argv) as sim:
+        with run_simulator(env=sim_env(tokenizer_path, **PACING, **extra_env), argv=argv) as sim:
             r = asyncio.run(single_stream(sim.url, tokenizer, pp=4096, tg=128, runs=runs,
                                           role_delay_ms=role, tokens_per_chunk=per_chunk,
                                           extra=extra_body))
@@ -175,7 +172,7 @@ def main() -> int:
     print(header)
     print("-" * len(header))
     tg_truth = decode_truth_tps(64, 1)
-    with run_simulator(env=sim_env(tokenizer_path), argv=argv) as sim:
+    with run_simulator(env=sim_env(tokenizer_path, **PACING), argv=argv) as sim:
         for level in (1, 8, 32):
             row, server_mean = asyncio.run(conc_level(sim.url, tokenizer, level, duration))
             truth = TTFT_MS + row["prompt_tokens"]["mean"] / PREFILL_TPS * 1000

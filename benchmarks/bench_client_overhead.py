@@ -26,10 +26,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
 
-from vllmstack.bench.client import ChatClient, RequestResult, _StreamState
-from vllmstack.bench.stats import percentile
+from helpers import free_port  # noqa: E402
+
+from vllmstack.bench.client import ChatClient, RequestResult, _StreamState  # noqa: E402
+from vllmstack.bench.stats import percentile  # noqa: E402
 
 HEAD = ('"id":"chatcmpl-8d8a60308144a586","object":"chat.completion.chunk",'
         '"created":1795968669,"model":"tiny"')
@@ -87,9 +91,7 @@ def serve(port: int, chunks: int, gap_s: float) -> None:
 
 
 def start_server(chunks: int, gap_s: float) -> tuple[subprocess.Popen[bytes], int]:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = int(probe.getsockname()[1])
+    port = free_port()
     proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port), "--chunks",
                              str(chunks), "--gap-us", str(gap_s * 1e6)])
     for _ in range(100):

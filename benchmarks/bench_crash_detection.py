@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -22,27 +20,17 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from helpers import copy_project, docker_ready, free_port, write_dotenv  # noqa: E402
+
 IMAGE = "vllmstack/engine-sim:latest"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def make_project(base: Path, name: str) -> Path:
-    root = base / "stack"
-    root.mkdir()
-    for folder in ("env", "chat-templates", "fp8_configs", "fused_moe_configs", "patches"):
-        if (ROOT / folder).is_dir():
-            shutil.copytree(ROOT / folder, root / folder)
-    for file in ("compose.yaml", "tasks.py"):
-        shutil.copy(ROOT / file, root / file)
-    lines = [line for line in (ROOT / ".env.example").read_text().splitlines()
-             if not line.startswith("VLLM_PORT=")]
-    (root / ".env").write_text("\n".join(lines) + f"\nCOMPOSE_PROJECT={name}\nVLLM_PORT={free_port()}\n"
-                               "OTHER_ENGINE_PORTS=\n")
+    root = copy_project(base / "stack")
+    write_dotenv(root, {"COMPOSE_PROJECT": name, "VLLM_PORT": str(free_port()),
+                        "OTHER_ENGINE_PORTS": ""})
     return root
 
 
@@ -76,6 +64,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
+    if not docker_ready(IMAGE):
+        print(f"needs a running Docker engine and the {IMAGE} image (scripts/test-env.sh)",
+              file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp)
         name = f"vstbench{os.getpid()}"

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import http.server
-import socket
 import statistics
 import sys
 import tempfile
@@ -32,6 +31,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from helpers import free_port  # noqa: E402
 
 from vllmstack.dashboard.app import DashboardSettings, create_app  # noqa: E402
 from vllmstack.dashboard.live import LiveMetrics  # noqa: E402
@@ -58,13 +60,6 @@ def report(name: str, samples: list[float], target: float | None = None) -> bool
     verdict = "" if target is None else (f"  target ≤ {target:.0f} ms: {'ok' if ok else 'MISSED'}")
     print(f"{name:<28} median {median:7.3f} ms   p90 {p90:7.3f} ms   n={len(samples)}{verdict}")
     return ok
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def serve_capture(body: bytes) -> tuple[http.server.ThreadingHTTPServer, str]:

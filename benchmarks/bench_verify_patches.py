@@ -29,10 +29,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from vllmstack.image.patches import sdist_repo, verify_patches  # noqa: E402
-from vllmstack.core.paths import Project  # noqa: E402
 from vllmstack.config.profiles import resolve  # noqa: E402
+from vllmstack.core.paths import Project  # noqa: E402
 from vllmstack.core.runner import SubprocessRunner  # noqa: E402
+from vllmstack.image.patches import verify_patches  # noqa: E402
+from vllmstack.image.sources import sdist_repo  # noqa: E402
 
 HEADER = "Subject: bench {n}\nWhy: benchmark\nUpstream: none\nMade-for: v{v}\nDrop-when: -\n\n"
 PATCHES = 12

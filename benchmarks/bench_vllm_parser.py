@@ -23,10 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from vllmstack.checks import deep as vp  # noqa: E402
-from vllmstack.core.paths import Project  # noqa: E402
 from vllmstack.config.profiles import list_profiles, resolve  # noqa: E402
-from vllmstack.core.runner import SubprocessRunner  # noqa: E402
 from vllmstack.config.vllm_args import build_serve_argv  # noqa: E402
+from vllmstack.core.paths import Project  # noqa: E402
+from vllmstack.core.runner import SubprocessRunner  # noqa: E402
 
 
 def main() -> int:

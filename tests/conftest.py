@@ -1,14 +1,17 @@
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import pytest
 
+# Defined in helpers.py (shared with the benchmarks); tests may import them from here too.
+from helpers import ROOT as ROOT
+from helpers import copy_project as copy_project
+from helpers import write_dotenv as write_dotenv
+
 from vllmstack.core.paths import Project
 
-ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
 
 
@@ -35,34 +38,6 @@ def repo_root() -> Path:
 def shipped() -> Project:
     """The project as shipped (read-only use)."""
     return Project(ROOT)
-
-
-# What a throwaway project needs to resolve profiles and run invoke; the package and the
-# dashboard's build files only for tests that build the dashboard image.
-PROJECT_DIRS = ("env", "chat-templates", "fp8_configs", "fused_moe_configs", "patches")
-PROJECT_FILES = ("tasks.py", ".env.example", "compose.yaml")
-PACKAGE_PARTS = ("vllmstack", "pyproject.toml", "Dockerfile.dashboard",
-                 "Dockerfile.dashboard.dockerignore")
-
-
-def copy_project(dest: Path, *, with_package: bool = False) -> Path:
-    """A copy of the shipped project at `dest` (created) that `invoke` can run in."""
-    dest.mkdir(parents=True, exist_ok=True)
-    names = PROJECT_DIRS + PROJECT_FILES + (PACKAGE_PARTS if with_package else ())
-    for name in names:
-        src = ROOT / name
-        if src.is_dir():
-            shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-        elif src.is_file():
-            shutil.copy(src, dest / name)
-    return dest
-
-
-def write_dotenv(root: Path, settings: dict[str, str]) -> None:
-    """`.env` = `.env.example` with `settings` replacing (never duplicating) its lines."""
-    lines = [line for line in (ROOT / ".env.example").read_text().splitlines()
-             if line.split("=", 1)[0] not in settings]
-    (root / ".env").write_text("\n".join([*lines, *(f"{k}={v}" for k, v in settings.items())]) + "\n")
 
 
 @pytest.fixture

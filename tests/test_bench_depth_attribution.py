@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from vllmstack.bench.client import RequestResult
-from vllmstack.bench.runs import Overhead, _cached_tokens
+from vllmstack.bench.depth_runs import _cached_tokens
+from vllmstack.bench.session import Overhead
 from vllmstack.observe.metrics import parse_metrics
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from simulator.fixture import SimProcess, run_simulator
+from simulator.fixture import SimProcess, run_simulator, sim_env
 
 from vllmstack.bench import history
 from vllmstack.bench.runs import RunOptions, execute
@@ -20,6 +20,7 @@ from vllmstack.bench.selftest_tokenizer import train_corpus_tokenizer
 from vllmstack.bench.target import target_from_url
 
 TTFT_MS, PREFILL_TPS, ITL_MS = 40.0, 20000.0, 10.0
+PACING = {"ttft_ms": TTFT_MS, "prefill_tps": PREFILL_TPS, "itl_ms": ITL_MS}
 
 
 @pytest.fixture(scope="module")
@@ -27,17 +28,9 @@ def tokenizer_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return train_corpus_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.json")
 
 
-def sim_env(tokenizer_file: Path, **extra: str) -> dict[str, str]:
-    env = {"SIM_BOOT_SECONDS": "0", "SIM_TTFT_MS": str(TTFT_MS),
-           "SIM_PREFILL_TPS": str(PREFILL_TPS), "SIM_ITL_MS": str(ITL_MS),
-           "SIM_TOKENIZER": str(tokenizer_file)}
-    env.update(extra)
-    return env
-
-
 @pytest.fixture
 def sim(tokenizer_file: Path) -> Iterator[SimProcess]:
-    with run_simulator(env=sim_env(tokenizer_file),
+    with run_simulator(env=sim_env(tokenizer_file, **PACING),
                        argv=["--served-model-name", "sim", "--max-model-len", "16384",
                              "--max-num-seqs", "8"]) as proc:
         yield proc
@@ -77,7 +70,7 @@ def test_bench_matches_known_pacing_at_concurrency_1(sim: SimProcess, tokenizer_
 
 
 def test_early_role_chunk_does_not_shorten_ttft(tokenizer_file: Path) -> None:
-    env = sim_env(tokenizer_file, SIM_ROLE_DELAY_MS="150")
+    env = sim_env(tokenizer_file, **PACING, SIM_ROLE_DELAY_MS="150")
     with run_simulator(env=env, argv=["--served-model-name", "sim"]) as sim:
         record = run("bench", sim.url, tokenizer_file, None, pp=[1024], tg=[16], runs=2)
     row = record["results"][0]
@@ -90,7 +83,7 @@ def test_early_role_chunk_does_not_shorten_ttft(tokenizer_file: Path) -> None:
 
 
 def test_several_tokens_per_chunk_keep_decode_rate_and_itl_right(tokenizer_file: Path) -> None:
-    env = sim_env(tokenizer_file, SIM_TOKENS_PER_CHUNK="4", SIM_ITL_MS="20")
+    env = sim_env(tokenizer_file, **PACING, SIM_TOKENS_PER_CHUNK="4", SIM_ITL_MS="20")
     with run_simulator(env=env, argv=["--served-model-name", "sim"]) as sim:
         record = run("bench", sim.url, tokenizer_file, None, pp=[256], tg=[129], runs=2)
     row = record["results"][0]
@@ -115,7 +108,7 @@ def test_depth_two_phase_checks_the_cache_hit(sim: SimProcess, tokenizer_file: P
 
 def test_depth_without_prefix_cache_is_labelled_blended(tokenizer_file: Path) -> None:
     argv = ["--served-model-name", "sim", "--max-model-len", "8192", "--no-enable-prefix-caching"]
-    with run_simulator(env=sim_env(tokenizer_file), argv=argv) as sim:
+    with run_simulator(env=sim_env(tokenizer_file, **PACING), argv=argv) as sim:
         record = run("depth", sim.url, tokenizer_file, None, pp=[512], tg=[8], runs=1,
                      margin=256)
     depths = [r["depth"] for r in record["results"]]

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+from invoke.tasks import Task
 from simulator.fixture import run_simulator
 
+from vllmstack.bench import options
+from vllmstack.bench.cli import build_parser
 from vllmstack.bench.selftest_tokenizer import train_corpus_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,3 +57,66 @@ def test_invoke_bench_json_contract(tmp_path: Path) -> None:
                                   ["report", "--help"]])
 def test_task_help_renders(args: list[str]) -> None:
     assert invoke(*args).returncode == 0
+
+
+def load_tasks() -> Any:
+    """tasks.py, freshly loaded (invoke consumes a task's help when it builds its arguments)."""
+    spec = importlib.util.spec_from_file_location("stack_tasks", ROOT / "tasks.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def subparser(name: str) -> argparse.ArgumentParser:
+    (sub,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    parser: argparse.ArgumentParser = sub.choices[name]
+    return parser
+
+
+BENCH_TASKS = ["bench", "bench-depth", "bench-conc", "probe", "stability", "report"]
+
+
+@pytest.mark.parametrize("task_name", BENCH_TASKS)
+def test_task_and_parser_list_the_same_options_and_defaults(task_name: str) -> None:
+    cmd = options.command(task_name)
+    task = next(t for t in vars(load_tasks()).values()
+                if isinstance(t, Task) and t.name == task_name)
+    task_args = {a.name: a for a in task.get_arguments()}
+    actions = {a.dest: a for a in subparser(cmd.name)._actions if a.dest != "help"}
+    # The task offers the parser's options except those declared for `python -m` only...
+    assert set(actions) - set(task_args) == {o.name for o in cmd.options if not o.task}
+    assert set(task_args) <= set(actions)
+    for name, arg in task_args.items():
+        # ...with the same help, which names the parser's default...
+        assert arg.help == actions[name].help, name
+        # ...and no default of its own: the task hands on only what the user gave.
+        assert arg.default in (None, False, []), name
+        assert "h" not in arg.nicknames  # -h is help
+    for opt in cmd.options:
+        declared = list(opt.default) if isinstance(opt.default, tuple) else opt.default
+        assert actions[opt.name].default == (False if opt.flag else declared), opt.name
+        if opt.default not in (None, False, (), "") and "default" not in opt.help:
+            assert "(default: " in actions[opt.name].help, opt.name
+
+
+def test_bench_depth_runs_default_is_what_the_task_always_ran() -> None:
+    # The task passed --runs 2 explicitly while the parser said 3; 2 is what users got.
+    assert build_parser().parse_args(["depth"]).runs == 2
+    assert build_parser().parse_args(["bench-depth"]).runs == 2
+    assert build_parser().parse_args(["bench"]).runs == 3
+    assert "(default: 2)" in invoke("bench-depth", "--help").stdout
+
+
+def test_task_hands_on_only_the_options_given() -> None:
+    depth = options.command("bench-depth")
+    given = {o.name: None for o in depth.task_options}
+    given.update(json=False, pp=4096, depth=["0", "1024"], set=["A=1", "B=2"], runs=0)
+    assert options.task_argv(depth, given) == [
+        "depth", "--pp", "4096", "--runs", "0", "--depth", "0", "1024",
+        "--set", "A=1", "--set", "B=2"]
+    probe = options.command("probe")
+    assert options.task_argv(probe, {"name": "itl-stall", "param": ["victims=3"], "json": True,
+                                     "url": ""}) == [
+        "probe", "itl-stall", "--param", "victims=3", "--json"]
+    assert options.task_argv(options.command("report"), {"kind": []}) == ["report"]

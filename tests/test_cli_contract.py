@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+from invoke.context import Context
+from invoke.exceptions import Exit
+from invoke.tasks import Task
 
+from vllmstack.core.errors import StackError
 from vllmstack.core.paths import Project
 
 
@@ -64,3 +70,94 @@ def test_config_explain_json_names_each_source(cli_project: Project) -> None:
     assert table["VLLM_MAX_NUM_SEQS"]["source"].startswith("env/models/qwen3.8-27b.env:")
     assert table["VLLM_PORT"]["source"] in ("default", ) or table["VLLM_PORT"]["source"].startswith(
         ".env.example:")
+
+
+ROOT = Path(__file__).resolve().parents[1]
+# `invoke --list` as users know it: the restructuring of issue 10 kept every task name.
+TASKS = ["bench", "bench-conc", "bench-depth", "build", "check", "clear-caches", "config",
+         "dashboard", "dashboard-down", "dashboard-up", "down", "exec", "import-env",
+         "install-engine", "logs", "probe", "profiles", "rebuild", "report", "stability",
+         "status", "test", "up", "verify-patches"]
+
+
+def load_tasks() -> Any:
+    spec = importlib.util.spec_from_file_location("stack_tasks", ROOT / "tasks.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_task_list_is_unchanged() -> None:
+    out = invoke(ROOT, "--list")
+    assert out.returncode == 0, out.stderr
+    names = [line.split()[0] for line in out.stdout.splitlines()
+             if line.startswith("  ") and not line.startswith("   ")]
+    assert names == TASKS
+    assert "  bench-depth      Decode and prefill speed over a context-depth ladder" in out.stdout
+
+
+@pytest.mark.parametrize("name", ["bench", "up", "check", "report", "dashboard", "bench-conc"])
+def test_dash_h_is_help_on_every_task(name: str) -> None:
+    out = invoke(ROOT, name, "-h")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"Usage: inv[oke] [--core-opts] {name} [--options]")
+    assert "Options:" in out.stdout and "Traceback" not in out.stderr
+
+
+def test_no_task_has_a_dash_h_flag() -> None:
+    tasks = load_tasks()
+    for task in (t for t in vars(tasks).values() if isinstance(t, Task)):
+        for arg in task.get_arguments():
+            assert "h" not in arg.nicknames, (task.name, arg.name)
+
+
+def test_stack_errors_end_a_task_with_their_message_and_exit_1(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    tasks = load_tasks()
+
+    @tasks.stack_task()
+    def broken(c: Context) -> None:
+        print("what was done so far")
+        raise StackError("the engine did not start", "invoke logs", details=["last log line"])
+
+    with pytest.raises(Exit) as ended:
+        broken(Context())
+    assert ended.value.code == 1
+    out, err = capsys.readouterr()
+    assert out == "what was done so far\n"
+    assert err == "last log line\nerror: the engine did not start\nfix:   invoke logs\n"
+
+    @tasks.stack_task()
+    def buggy(c: Context) -> None:
+        raise KeyError("a bug")  # not a user error: the traceback is what helps
+
+    with pytest.raises(KeyError):
+        buggy(Context())
+
+
+def test_benchmark_and_dashboard_errors_are_stack_errors() -> None:
+    from vllmstack.bench.cli import CliError
+    from vllmstack.bench.client import EndpointError
+    from vllmstack.bench.history import HistoryError
+    from vllmstack.bench.ladders import LadderError
+    from vllmstack.bench.prompts import TokenizerError
+    from vllmstack.bench.runs import RunError
+    from vllmstack.bench.target import TargetError
+    from vllmstack.dashboard.app import DashboardError
+    from vllmstack.dashboard.runs import RunError as DashboardRunError
+
+    for error, also in ((RunError, RuntimeError), (EndpointError, RuntimeError),
+                        (TargetError, ValueError), (TokenizerError, ValueError),
+                        (LadderError, ValueError), (HistoryError, ValueError),
+                        (DashboardError, ValueError), (DashboardRunError, RuntimeError),
+                        (CliError, Exception)):
+        assert issubclass(error, StackError) and issubclass(error, also), error
+        assert str(error("cause")) == "cause" and error("cause").render() == "error: cause"
+
+
+def test_bench_errors_keep_their_message_through_invoke() -> None:
+    out = invoke(ROOT, "bench", "--url", "http://127.0.0.1:9", "--model", "m", "--runs", "1")
+    assert out.returncode == 1
+    assert "error: no tokenizer" in out.stdout and "Traceback" not in out.stdout + out.stderr

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import sys
 import textwrap
 import threading
@@ -16,8 +15,10 @@ from typing import Any
 import httpx
 import pytest
 from fastapi.testclient import TestClient
+from helpers import free_port
 
 from vllmstack.bench import history
+from vllmstack.core.paths import Project
 from vllmstack.dashboard.__main__ import main, parse_settings
 from vllmstack.dashboard.app import DashboardError, DashboardSettings, create_app
 from vllmstack.dashboard.runs import RunError, bench_command
@@ -335,13 +336,6 @@ def test_bench_command_argv(tmp_path: Path) -> None:
     assert conc("conc", {"max_num_seqs": 4})[-3:] == ["--max-num-seqs", "4", "--json"]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @pytest.fixture
 def live_server(tmp_path: Path, engine: Engine, fake_runs: FakeRuns) -> Iterator[str]:
     """The app under a real uvicorn, so requests really arrive together."""
@@ -510,10 +504,12 @@ def test_entry_point_refuses_exposed_without_token(
 
 
 def test_settings_from_profile(tmp_path: Path) -> None:
+    from vllmstack.config.profiles import Resolved, Setting
     from vllmstack.dashboard.__main__ import settings_from_profile
 
-    values = {"VLLM_PORT": "8180", "DASHBOARD_PORT": "8090", "DASHBOARD_BIND": "127.0.0.1",
-              "DASHBOARD_TOKEN": "", "VLLM_TOKENIZER": "/models/tok"}
+    env = {"VLLM_PORT": "8180", "DASHBOARD_PORT": "8090", "DASHBOARD_BIND": "127.0.0.1",
+           "DASHBOARD_TOKEN": "", "VLLM_TOKENIZER": "/models/tok"}
+    values = Resolved("cpu", "test", {k: Setting(k, v, "test") for k, v in env.items()}, [])
     s = settings_from_profile(values, tmp_path)
     assert (s.engine_url, s.host, s.port, s.tokenizer) == ("http://127.0.0.1:8180", "127.0.0.1",
                                                            8090, "/models/tok")
@@ -521,3 +517,40 @@ def test_settings_from_profile(tmp_path: Path) -> None:
     # Another engine: the profile's tokenizer may not fit it, so only --tokenizer counts.
     other = settings_from_profile(values, tmp_path, engine_url="http://gpu-box:8000", port=9)
     assert (other.engine_url, other.port, other.tokenizer) == ("http://gpu-box:8000", 9, None)
+
+
+def test_settings_for_stack_profile_and_fallback(project: Project, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from vllmstack.config.profiles import ProfileError
+    from vllmstack.dashboard.__main__ import settings_for_stack
+
+    s = settings_for_stack(project, {}, model="qwen3-0.6b", platform="cpu",
+                           sets=["VLLM_PORT=8111", "VLLM_MAX_NUM_SEQS=5"], port="9001")
+    assert (s.engine_url, s.port, s.max_num_seqs) == ("http://127.0.0.1:8111", 9001, 5)
+    assert s.history_dir == project.benchmarks
+    # No profile at all: an error, unless --engine-url says where the engine is; then every
+    # setting takes its schema default and a note says so.
+    empty = Project(tmp_path / "empty")
+    with pytest.raises(ProfileError):
+        settings_for_stack(empty, {})
+    s = settings_for_stack(empty, {}, engine_url="http://gpu-box:8000")
+    assert (s.engine_url, s.host, s.port, s.token, s.tokenizer, s.max_num_seqs) == (
+        "http://gpu-box:8000", "127.0.0.1", 8083, "", None, None)
+    assert "note: no profile" in capsys.readouterr().err
+    with pytest.raises(DashboardError, match="--port must be a number, got 'x'"):
+        settings_for_stack(empty, {}, engine_url="http://gpu-box:8000", port="x")
+
+
+def test_profile_value_that_is_not_a_number_is_named(tmp_path: Path) -> None:
+    from vllmstack.bench.target import TargetError
+    from vllmstack.config.profiles import Resolved, Setting
+    from vllmstack.dashboard.__main__ import settings_from_profile
+
+    bad = Resolved("cpu", "test", {"VLLM_MAX_NUM_SEQS": Setting("VLLM_MAX_NUM_SEQS", "four",
+                                                                "env/models/x.env:3")}, [])
+    with pytest.raises(TargetError, match="VLLM_MAX_NUM_SEQS='four' is not a whole number"):
+        settings_from_profile(bad, tmp_path)
+    # The container's environment default stays lenient: the flag can still set it.
+    s = parse_settings(["--engine-url", "http://e:1", "--history-dir", str(tmp_path)],
+                       {"VLLM_MAX_NUM_SEQS": "four"})
+    assert s.max_num_seqs is None

@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import sys
 import threading
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import need
+from helpers import free_port
 
 from vllmstack.dashboard.app import DashboardSettings, create_app
 
@@ -30,13 +30,6 @@ CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update",
                  "--disable-sync"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def traffic(url: str, stop: threading.Event) -> None:

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -14,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import need
+from helpers import docker, docker_ready
 from simulator.fixture import free_port, run_simulator
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
@@ -21,29 +19,12 @@ pytestmark = [pytest.mark.docker, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[1]
 BASE_IMAGE = "vllmstack/base:bookworm"
 IMAGE = "vllmstack-test/dashboard:latest"
-# Debian's client has BuildKit built in; a newer client first on PATH may lack buildx.
-DOCKER = "/usr/bin/docker" if Path("/usr/bin/docker").exists() else (shutil.which("docker")
-                                                                      or "docker")
 CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
-
-
-def docker(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, DOCKER_BUILDKIT="1")
-    return subprocess.run([DOCKER, *args], capture_output=True, text=True, timeout=timeout,
-                          check=False, env=env)
-
-
-def engine_ready() -> bool:
-    try:
-        return (docker("info", timeout=20).returncode == 0
-                and docker("image", "inspect", BASE_IMAGE, timeout=20).returncode == 0)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
 
 
 @pytest.fixture(scope="module")
 def image() -> str:
-    need(engine_ready(), f"Docker engine with {BASE_IMAGE} (scripts/test-env.sh builds it)")
+    need(docker_ready(BASE_IMAGE), f"Docker engine with {BASE_IMAGE} (scripts/test-env.sh builds it)")
     args = ["build", "-f", "Dockerfile.dashboard", "--build-arg", f"BASE_IMAGE={BASE_IMAGE}",
             "-t", IMAGE]
     if CA_BUNDLE.is_file():

@@ -14,10 +14,11 @@ from vllmstack.config.profiles import resolve
 from vllmstack.config.vllm_args import build_serve_argv
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import RecordingRunner, Result
-from vllmstack.runtime import compose
+from vllmstack.runtime import compose, compose_files, engine_env
 from vllmstack.runtime.base import EngineState
 from vllmstack.runtime.gpu import GIB, AmdSysfsProbe, GpuMemory
-from vllmstack.serve import diagnosis, lifecycle
+from vllmstack.serve import diagnosis, lifecycle, watch
+from vllmstack.serve.guards import check_guards, print_guards, wait_gpu_release
 
 DATA = Path(__file__).parent / "data"
 
@@ -88,33 +89,33 @@ class FakeProbe:
 
 def test_missing_kfd_fails_at_once_and_cannot_be_forced(project: Project) -> None:
     resolved = resolve(project)
-    guards = lifecycle.check_guards(resolved, FakeProbe(missing=["/dev/kfd"]),
+    guards = check_guards(resolved, FakeProbe(missing=["/dev/kfd"]),
                                     own_engine_running=False, port_probe=lambda h, p: False)
     [guard] = guards
     assert guard.code == "no-gpu-devices" and not guard.overridable
     assert "no /dev/kfd found" in guard.message and "--platform cpu" in guard.fix
     with pytest.raises(lifecycle.LifecycleError, match="no /dev/kfd"):
-        lifecycle.print_guards(guards, force=True, out=io.StringIO())
+        print_guards(guards, force=True, out=io.StringIO())
 
 
 def test_other_engine_on_a_configured_port_refuses_unless_forced(project: Project) -> None:
     resolved = resolve(project, overrides=["OTHER_ENGINE_PORTS=8080"])
-    guards = lifecycle.check_guards(resolved, FakeProbe(), own_engine_running=False,
+    guards = check_guards(resolved, FakeProbe(), own_engine_running=False,
                                     port_probe=lambda h, p: p == 8080,
                                     identify=lambda url: "llama.cpp server")
     assert [g.code for g in guards] == ["other-engine"]
     assert "port 8080" in guards[0].message and "llama.cpp server" in guards[0].message
     with pytest.raises(lifecycle.LifecycleError):
-        lifecycle.print_guards(guards, force=False, out=io.StringIO())
+        print_guards(guards, force=False, out=io.StringIO())
     out = io.StringIO()
-    lifecycle.print_guards(guards, force=True, out=out)
+    print_guards(guards, force=True, out=out)
     assert "WARNING --force" in out.getvalue()
 
 
 def test_free_memory_below_what_the_profile_takes(project: Project) -> None:
     resolved = resolve(project)  # 2xr9700, TP 2, util 0.95
     busy = [GpuMemory(0, 32 * GIB, 1 * GIB), GpuMemory(1, 32 * GIB, 12 * GIB)]
-    guards = lifecycle.check_guards(resolved, FakeProbe(gpus=busy), own_engine_running=False,
+    guards = check_guards(resolved, FakeProbe(gpus=busy), own_engine_running=False,
                                     port_probe=lambda h, p: False)
     assert [g.code for g in guards] == ["gpu-memory-busy"]
     assert guards[0].message.startswith("GPU1: 20.0 GiB free of 32.0 GiB")
@@ -180,7 +181,7 @@ def test_exit_is_caught_on_the_next_poll_with_a_diagnosis() -> None:
     engine = FakeEngine([RUNNING, RUNNING, RUNNING, EngineState(True, False, "exited", 0, 1)], lines)
     clock = Clock()
     with pytest.raises(lifecycle.LifecycleError) as err:
-        lifecycle.wait_until_healthy(engine, "http://x", 600, lifecycle.Progress(io.StringIO(), False),
+        watch.wait_until_healthy(engine, "http://x", 600, watch.Progress(io.StringIO(), False),
                                      health=lambda url: None, clock=clock, sleep=clock.sleep)
     assert clock.now <= 1.5  # three polls, not the 600 s timeout
     assert "exited with code 1" in err.value.cause and "KV cache" in err.value.cause
@@ -190,7 +191,7 @@ def test_exit_is_caught_on_the_next_poll_with_a_diagnosis() -> None:
 def test_restart_is_a_crash_loop() -> None:
     engine = FakeEngine([RUNNING, EngineState(True, True, "running", restart_count=1)], ["boom"])
     with pytest.raises(lifecycle.LifecycleError, match="crash-looping"):
-        lifecycle.wait_until_healthy(engine, "http://x", 600, lifecycle.Progress(io.StringIO(), False),
+        watch.wait_until_healthy(engine, "http://x", 600, watch.Progress(io.StringIO(), False),
                                      health=lambda url: None, clock=Clock(), sleep=lambda s: None)
 
 
@@ -198,7 +199,7 @@ def test_hang_ends_at_the_timeout_with_the_log_tail() -> None:
     engine = FakeEngine([RUNNING], ["Loading safetensors checkpoint shards", "still loading"])
     clock = Clock()
     with pytest.raises(lifecycle.LifecycleError) as err:
-        lifecycle.wait_until_healthy(engine, "http://x", 10, lifecycle.Progress(io.StringIO(), False),
+        watch.wait_until_healthy(engine, "http://x", 10, watch.Progress(io.StringIO(), False),
                                      health=lambda url: None, clock=clock, sleep=clock.sleep)
     assert "within 10 s" in err.value.cause and "loading weights" in err.value.cause
     assert "still loading" in err.value.details
@@ -207,7 +208,7 @@ def test_hang_ends_at_the_timeout_with_the_log_tail() -> None:
 def test_503_after_listening_means_the_engine_died() -> None:
     engine = FakeEngine([RUNNING], ["EngineDeadError: engine core died"])
     with pytest.raises(lifecycle.LifecycleError, match="503"):
-        lifecycle.wait_until_healthy(engine, "http://x", 60, lifecycle.Progress(io.StringIO(), False),
+        watch.wait_until_healthy(engine, "http://x", 60, watch.Progress(io.StringIO(), False),
                                      health=lambda url: 503, clock=Clock(), sleep=lambda s: None)
 
 
@@ -216,7 +217,7 @@ def test_healthy_returns_elapsed_time_and_progress_names_the_phase() -> None:
     out = io.StringIO()
     clock = Clock()
     engine = FakeEngine([RUNNING], ["(EngineCore) Capturing CUDA graphs (mixed prefill-decode)"])
-    took = lifecycle.wait_until_healthy(engine, "http://x", 60, lifecycle.Progress(out, False),
+    took = watch.wait_until_healthy(engine, "http://x", 60, watch.Progress(out, False),
                                         health=lambda url: next(answers), clock=clock,
                                         sleep=clock.sleep)
     assert took == pytest.approx(1.0)
@@ -230,9 +231,9 @@ def render(project: Project, platform: str, model: str = "qwen3-0.6b", runtime: 
            package_dir: str | None = None, *sets: str) -> dict:  # type: ignore[type-arg]
     resolved = resolve(project, platform=platform, model=model, overrides=list(sets))
     command = build_serve_argv(resolved)
-    ids = compose.HostIds(1000, 1000, 992, 44)
-    paths = compose.StackPaths(Path("/h/.cache/huggingface"), Path("/h/.cache/vllmstack-engine"), None)
-    override, _ = compose.build_override(project, resolved, command, runtime=runtime, ids=ids,
+    ids = engine_env.HostIds(1000, 1000, 992, 44)
+    paths = engine_env.StackPaths(Path("/h/.cache/huggingface"), Path("/h/.cache/vllmstack-engine"), None)
+    override, _ = compose_files.build_override(project, resolved, command, runtime=runtime, ids=ids,
                                          paths=paths, package_dir=package_dir)
     return override["services"]["vllm"]  # type: ignore[no-any-return]
 
@@ -275,7 +276,7 @@ def test_overlays_and_fp8_configs_mount_into_the_labelled_package(project: Proje
     service = render(project, "2xr9700", "qwen3.8-27b", "compose", "/opt/vllm-package")
     volumes = service.get("volumes", [])
     fp8 = [v for v in volumes if v.startswith(str(folder))]
-    assert fp8 == [f"{folder / mine}:/opt/vllm-package/{compose.FP8_CONFIG_DIR}/{mine}:ro"]
+    assert fp8 == [f"{folder / mine}:/opt/vllm-package/{engine_env.FP8_CONFIG_DIR}/{mine}:ro"]
     from vllmstack.image.patches import load_overlays
 
     for overlay in load_overlays(project):
@@ -290,7 +291,7 @@ def test_written_files_are_readable_and_reproducible(project: Project) -> None:
     resolved = resolve(project, platform="cpu", model="qwen3-0.6b")
     command = build_serve_argv(resolved)
     override = {"services": {"vllm": {"command": command.argv[2:]}}}
-    rendered = compose.write_rendered(project, resolved, command, override,
+    rendered = compose_files.write_rendered(project, resolved, command, override,
                                       {"VLLMSTACK_VLLM_IMAGE": "x/y:1"}, [])
     assert yaml.safe_load(rendered.override.read_text()) == override
     assert "VLLMSTACK_VLLM_IMAGE=x/y:1" in rendered.env_file.read_text()
@@ -316,7 +317,7 @@ def test_dry_run_prints_the_exact_compose_command(project: Project) -> None:
     resolved = resolve(project, platform="cpu", model="qwen3-0.6b")
     runner = RecordingRunner(dry_run=True)
     cli = compose.ComposeCli("compose-v1", ("docker-compose",), "docker")
-    engine = compose.ComposeEngine(cli, runner, "vllmstack", compose.compose_files(project),
+    engine = compose.ComposeEngine(cli, runner, "vllmstack", compose_files.compose_files(project),
                                    project.generated / "compose.env")
     engine.start()
     assert runner.calls[-1] == (
@@ -332,20 +333,20 @@ def test_gpu_release_wait(tmp_path: Path) -> None:
     probe = FakeProbe(gpus=None)
     probe.memory = lambda: [GpuMemory(0, 32 * GIB, next(readings))]  # type: ignore[method-assign]
     clock = Clock()
-    released, used = lifecycle.wait_gpu_release(probe, 512 * 1024**2, 60, clock.sleep, clock)
+    released, used = wait_gpu_release(probe, 512 * 1024**2, 60, clock.sleep, clock)
     assert released and used == 1 * GIB
     stuck = FakeProbe(gpus=[GpuMemory(0, 32 * GIB, 30 * GIB)])
-    released, _ = lifecycle.wait_gpu_release(stuck, 0, 5, clock.sleep, clock)
+    released, _ = wait_gpu_release(stuck, 0, 5, clock.sleep, clock)
     assert not released
 
 
 def test_cache_folders_are_made_user_owned_before_compose(tmp_path: Path) -> None:
-    paths = compose.StackPaths(tmp_path / "hf", tmp_path / "engine", None)
-    ids = compose.HostIds(4242, 4343, None, None)
-    planned = compose.ensure_cache_dirs(paths, ids, dry_run=True)
+    paths = engine_env.StackPaths(tmp_path / "hf", tmp_path / "engine", None)
+    ids = engine_env.HostIds(4242, 4343, None, None)
+    planned = engine_env.ensure_cache_dirs(paths, ids, dry_run=True)
     assert f"mkdir -p {tmp_path / 'engine' / 'aiter/jit'}" in planned
     assert not (tmp_path / "engine").exists()  # a dry run changes nothing
-    compose.ensure_cache_dirs(paths, ids, dry_run=False)
+    engine_env.ensure_cache_dirs(paths, ids, dry_run=False)
     for folder in (tmp_path / "hf", tmp_path / "engine" / "triton"):
         assert folder.is_dir()
         if os.geteuid() == 0:
@@ -357,11 +358,11 @@ def test_cache_folder_owned_by_someone_else_names_the_chown_fix(
 ) -> None:
     # As an ordinary user (root could simply chown) whose uid does not own the folder.
     owner = tmp_path.stat().st_uid
-    monkeypatch.setattr(compose.os, "geteuid", lambda: owner + 1)
-    paths = compose.StackPaths(tmp_path, tmp_path / "engine", None)
-    ids = compose.HostIds(owner + 1, owner + 1, None, None)
-    with pytest.raises(compose.ComposeError, match=f"sudo chown -R {owner + 1}:{owner + 1} {tmp_path}"):
-        compose.ensure_cache_dirs(paths, ids, dry_run=False)
+    monkeypatch.setattr(engine_env.os, "geteuid", lambda: owner + 1)
+    paths = engine_env.StackPaths(tmp_path, tmp_path / "engine", None)
+    ids = engine_env.HostIds(owner + 1, owner + 1, None, None)
+    with pytest.raises(engine_env.CacheDirError, match=f"sudo chown -R {owner + 1}:{owner + 1} {tmp_path}"):
+        engine_env.ensure_cache_dirs(paths, ids, dry_run=False)
 
 
 def test_aiter_prewarm_clears_stale_locks_builds_once_per_image(project: Project, tmp_path: Path) -> None:
@@ -370,33 +371,33 @@ def test_aiter_prewarm_clears_stale_locks_builds_once_per_image(project: Project
     runner.respond(["docker", "image", "inspect", "--format", "{{.Id}}"],
                    Result((), 0, "sha256:abc\n", ""))
     cli = compose.ComposeCli("compose-v1", ("docker-compose",), "docker")
-    engine = compose.ComposeEngine(cli, runner, "vllmstack", compose.compose_files(project),
+    engine = compose.ComposeEngine(cli, runner, "vllmstack", compose_files.compose_files(project),
                                    project.generated / "compose.env")
     stack = lifecycle.Stack(project, resolved, {}, runner, engine, FakeProbe(), io.StringIO())
-    paths = compose.StackPaths(tmp_path / "hf", tmp_path / "engine", None)
+    paths = engine_env.StackPaths(tmp_path / "hf", tmp_path / "engine", None)
     lock = paths.engine_cache / "aiter/jit/build/lock_module_aiter_core"
     lock.parent.mkdir(parents=True)
     lock.write_text("")
-    lifecycle.prewarm_aiter(stack, engine, paths, "img:1", dry_run=False)
+    engine.prewarm_aiter(paths, "img:1", dry_run=False)
     assert not lock.exists()
     runs = [c for c in runner.calls if "run" in c]
-    assert len(runs) == 1 and runs[0][-4:] == ("python3", "vllm", "-c", lifecycle.AITER_PREWARM)
+    assert len(runs) == 1 and runs[0][-4:] == ("python3", "vllm", "-c", compose.AITER_PREWARM)
     assert ("--entrypoint" in runs[0]) and ("--no-deps" in runs[0])
-    lifecycle.prewarm_aiter(stack, engine, paths, "img:1", dry_run=False)
+    engine.prewarm_aiter(paths, "img:1", dry_run=False)
     assert len([c for c in runner.calls if "run" in c]) == 1  # once per image
     failing = RecordingRunner()
     failing.respond(["docker-compose"], Result((), 1, "", "ModuleNotFoundError: aiter"))
     engine.runner = failing
     stack.runner = failing
-    with pytest.raises(lifecycle.LifecycleError, match="AITER"):
-        lifecycle.prewarm_aiter(stack, engine, paths, "img:2", dry_run=False)
+    with pytest.raises(compose.ComposeError, match="AITER"):
+        engine.prewarm_aiter(paths, "img:2", dry_run=False)
 
 
 def test_clear_caches_keeps_models_and_refuses_while_running(project: Project, tmp_path: Path) -> None:
     resolved = resolve(project, platform="cpu", model="qwen3-0.6b",
                        overrides=[f"HOST_CACHE_DIR={tmp_path}"])
-    paths = compose.stack_paths(resolved, {})
-    compose.ensure_cache_dirs(paths, compose.HostIds(os.getuid(), os.getgid(), None, None),
+    paths = engine_env.stack_paths(resolved, {})
+    engine_env.ensure_cache_dirs(paths, engine_env.HostIds(os.getuid(), os.getgid(), None, None),
                               dry_run=False)
     (paths.engine_cache / "triton" / "kernel.bin").write_text("x")
     (paths.hf_cache / "model.safetensors").write_text("x")

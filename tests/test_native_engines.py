@@ -11,9 +11,17 @@ import pytest
 
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import RecordingRunner, Result
-from vllmstack.runtime.native import install as engines
-from vllmstack.runtime.native.engine import ProcTable
-from vllmstack.runtime.native.install import EngineInstallError, install_engine
+from vllmstack.runtime.native.install import (
+    EngineInstallError,
+    InstallReport,
+    engine_dir,
+    install_engine,
+    parse_wheel,
+    read_manifest,
+    render_install,
+    wheel_fits_python,
+)
+from vllmstack.runtime.native.procs import ProcTable
 
 PY = "/usr/bin/python3.12"
 PACKAGES = [{"name": "vllm", "version": "0.31.0"}, {"name": "torch", "version": "2.13.0"},
@@ -37,7 +45,7 @@ def fake_host(project: Project, python: str = "3.12", pip_ok: bool = True) -> Re
         return Result(argv, 0)
 
     runner.respond([PY, "-m", "venv"], make_venv)
-    folder = engines.engine_dir(project, "0.31.0")
+    folder = engine_dir(project, "0.31.0")
     runner.respond([str(folder / "bin/python"), "-m", "pip", "install"], pip_install)
     runner.respond([str(folder / "bin/python"), "-m", "pip", "list"],
                    Result((), 0, json.dumps(PACKAGES)))
@@ -45,7 +53,7 @@ def fake_host(project: Project, python: str = "3.12", pip_ok: bool = True) -> Re
 
 
 def install(project: Project, runner: RecordingRunner, **kw: object) -> tuple[
-        engines.InstallReport, str]:
+        InstallReport, str]:
     out = io.StringIO()
     args: dict[str, object] = {"version": "0.31.0", "python": PY, "environ": {"HOME": "/h"},
                                "out": out, **kw}
@@ -62,12 +70,12 @@ def test_installs_the_pinned_version_from_the_index_and_records_it(project: Proj
                                "--disable-pip-version-check", "vllm==0.31.0")
     # pip runs with user-site packages off (they would shadow the environment's own).
     assert runner.envs[2] is not None and runner.envs[2]["PYTHONNOUSERSITE"] == "1"
-    manifest = engines.read_manifest(folder)
+    manifest = read_manifest(folder)
     assert manifest is not None
     assert (manifest["installed"], manifest["source"], manifest["python"]) == (
         "0.31.0", "package index", "3.12")
     assert manifest["packages"]["flash-attn"] == "2.8.0"
-    text = engines.render_install(report, project)
+    text = render_install(report, project)
     assert "installed vllm 0.31.0 into .cache/engines/vllm-0.31.0" in text
     assert "torch 2.13.0" in text and "flash-attn 2.8.0" in text and "packages: 4" in text
     assert report.as_json()["installed"] == {"vllm": "0.31.0", "torch": "2.13.0",
@@ -83,7 +91,7 @@ def test_a_second_install_is_refused_without_force_and_replaces_with_it(project:
     assert "package index" in err.value.cause and err.value.fix is not None
     assert "--force" in err.value.fix
     assert not any("venv" in call for call in runner.calls)
-    stale = engines.engine_dir(project, "0.31.0") / "lib" / "leftover.py"
+    stale = engine_dir(project, "0.31.0") / "lib" / "leftover.py"
     stale.parent.mkdir(parents=True)
     stale.write_text("")
     report, out = install(project, fake_host(project), force=True)
@@ -93,7 +101,7 @@ def test_a_second_install_is_refused_without_force_and_replaces_with_it(project:
 
 def test_force_refuses_to_replace_the_environment_of_a_running_engine(project: Project) -> None:
     install(project, fake_host(project))
-    folder = engines.engine_dir(project, "0.31.0")
+    folder = engine_dir(project, "0.31.0")
     me = ProcTable().get(os.getpid())
     assert me is not None
     record = project.generated / "native" / "engine.json"
@@ -105,7 +113,7 @@ def test_force_refuses_to_replace_the_environment_of_a_running_engine(project: P
         install(project, fake_host(project), force=True)
     assert f"(pid {os.getpid()}) runs from" in err.value.cause
     assert err.value.fix == "stop it first: invoke down"
-    assert engines.read_manifest(folder) is not None
+    assert read_manifest(folder) is not None
 
 
 def test_an_unfinished_environment_is_started_over(project: Project) -> None:
@@ -135,7 +143,7 @@ def test_wheels_install_offline_from_the_folder(project: Project, tmp_path: Path
     pip = runner.calls[2]
     assert pip[-4:] == ("--no-index", "--find-links", str(folder), "vllm==0.31.0")
     assert report.source == f"wheels in {folder}"
-    manifest = engines.read_manifest(engines.engine_dir(project, "0.31.0"))
+    manifest = read_manifest(engine_dir(project, "0.31.0"))
     assert manifest is not None and manifest["wheel"] == ROCM_WHEEL
     runner = fake_host(project)
     install(project, runner, wheels=folder, index_deps=True, force=True)
@@ -159,14 +167,14 @@ def test_wheel_folder_problems_are_named_before_anything_is_created(project: Pro
             install(project, runner, wheels=folder)
         assert cause in err.value.cause and err.value.fix is not None and fix in err.value.fix
         assert len(runner.calls) <= 1  # only the interpreter was asked its version
-    assert not engines.engine_dir(project, "0.31.0").exists()
+    assert not engine_dir(project, "0.31.0").exists()
 
 
 def test_python_tags_accepted_like_pip_does() -> None:
     def fits(name: str, python: tuple[int, int]) -> bool:
-        wheel = engines.parse_wheel(Path(name))
+        wheel = parse_wheel(Path(name))
         assert wheel is not None and wheel.name == "vllm"
-        return engines.wheel_fits_python(wheel, python)
+        return wheel_fits_python(wheel, python)
 
     assert fits("vllm-0.31.0-cp38-abi3-manylinux1_x86_64.whl", (3, 12))
     assert not fits("vllm-0.31.0-cp313-abi3-manylinux1_x86_64.whl", (3, 12))
@@ -196,6 +204,6 @@ def test_dry_run_creates_nothing(project: Project) -> None:
     runner.respond([PY, "-c"], Result((), 0, "3.12\n"))
     report, out = install(project, runner)
     assert report.dry_run and "(dry run) installing vllm==0.31.0" in out
-    assert engines.render_install(report, project).startswith("(dry run) would install vllm 0.31.0")
+    assert render_install(report, project).startswith("(dry run) would install vllm 0.31.0")
     assert [c[1:3] for c in runner.calls[1:3]] == [("-m", "venv"), ("-m", "pip")]
-    assert not engines.engine_dir(project, "0.31.0").exists()
+    assert not engine_dir(project, "0.31.0").exists()

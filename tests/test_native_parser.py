@@ -11,7 +11,7 @@ from conftest import need
 from vllmstack.config.profiles import list_profiles, resolve
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import SubprocessRunner
-from vllmstack.runtime.native import engine as native
+from vllmstack.runtime.native.command import native_serve_command
 
 
 @pytest.mark.slow  # creates (once) and runs the pinned vLLM's parser
@@ -30,7 +30,7 @@ def test_every_shipped_native_argv_is_accepted_by_the_real_vllm_parser(
             continue
         for platform in profile.platforms or ("2xr9700",):
             resolved = resolve(shipped, platform=platform, model=profile.name, environ=environ)
-            command = native.native_serve_command(shipped, resolved, environ)
+            command = native_serve_command(shipped, resolved, environ)
             # The engine runs from the install-engine environment: one word, then `serve`.
             assert command.venv is not None and command.argv[1] == "serve"
             argvs.append(["vllm", *command.argv[1:]])

@@ -19,12 +19,16 @@ import pytest
 from vllmstack.config.profiles import list_profiles, resolve
 from vllmstack.config.schema import load_schema
 from vllmstack.config.vllm_args import build_serve_argv
+from vllmstack.core.files import tail_lines
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import RecordingRunner, SubprocessRunner
 from vllmstack.runtime.base import MISSING
-from vllmstack.runtime.compose import engine_environment
-from vllmstack.runtime.native import engine as native
-from vllmstack.runtime.native.engine import EngineRecord, NativeEngine, NativeError, ProcTable, parse_stat
+from vllmstack.runtime.engine_env import engine_environment
+from vllmstack.runtime.native import engine, procs
+from vllmstack.runtime.native.command import native_serve_command
+from vllmstack.runtime.native.engine import NativeEngine
+from vllmstack.runtime.native.procs import NativeError, ProcTable, parse_stat
+from vllmstack.runtime.native.records import MARKER_VAR, EngineRecord
 
 # --- /proc parsing on a fake tree ------------------------------------------------------------------
 
@@ -93,14 +97,14 @@ def test_a_record_with_a_dangerous_pid_or_no_marker_is_rejected() -> None:
 
 def test_group_members_are_the_group_while_the_leader_lives_then_only_marked_ones(
         proc_root: Path) -> None:
-    marker = {native.MARKER_VAR: "m" * 32}
+    marker = {MARKER_VAR: "m" * 32}
     fake_proc(proc_root, 4242, start=1000, environ=marker)          # the leader
     fake_proc(proc_root, 4250, start=1005, pgid=4242, sid=4242)     # a worker without the marker
     fake_proc(proc_root, 4260, start=1006, pgid=4260, environ=marker)  # escaped its group
     fake_proc(proc_root, 4270, start=900, pgid=4242)                # older than the engine
     fake_proc(proc_root, 4280, start=1010)                          # unrelated
     fake_proc(proc_root, 4290, start=1011, environ=marker, state="Z")  # zombie: holds nothing
-    group = native.EngineGroup(record(), ProcTable(proc_root))
+    group = procs.EngineGroup(record(), ProcTable(proc_root))
     assert sorted(p.pid for p in group.find()) == [4242, 4250, 4260]
     # The leader's pid is reused: its group is somebody else's now; only the marker counts.
     fake_proc(proc_root, 4242, start=2000)
@@ -110,8 +114,8 @@ def test_group_members_are_the_group_while_the_leader_lives_then_only_marked_one
 def test_tail_lines_reads_the_end_of_a_long_log(tmp_path: Path) -> None:
     log = tmp_path / "engine.log"
     log.write_text("".join(f"line {i}\n" for i in range(50000)))
-    assert native.tail_lines(log, 3) == ["line 49997", "line 49998", "line 49999"]
-    assert native.tail_lines(tmp_path / "missing.log", 3) == []
+    assert tail_lines(log, 3) == ["line 49997", "line 49998", "line 49999"]
+    assert tail_lines(tmp_path / "missing.log", 3) == []
 
 
 # --- the command is the container's ------------------------------------------------------------------
@@ -134,7 +138,7 @@ def test_native_argv_and_environment_match_the_container_for_every_shipped_profi
     for model, platform in pairs:
         resolved = resolve(shipped, platform=platform, model=model, environ=environ)
         container = build_serve_argv(resolved).argv
-        command = native.native_serve_command(shipped, resolved, environ)
+        command = native_serve_command(shipped, resolved, environ)
         version = resolved.get("VLLM_VERSION")
         assert command.argv[0] == str(shipped.cache / "engines" / f"vllm-{version}" / "bin" / "vllm")
         expected = list(container[1:])
@@ -157,14 +161,14 @@ def test_engine_command_and_version_settings(project: Project, tmp_path: Path) -
     resolved = resolve(project, platform="cpu", model="qwen3-0.6b", environ=environ, overrides=[
         "NATIVE_ENGINE_COMMAND=python3 /x/server.py", "NATIVE_ENGINE_VERSION=0.30.2",
         "VLLM_BIND=0.0.0.0"])
-    command = native.native_serve_command(project, resolved, environ)
+    command = native_serve_command(project, resolved, environ)
     assert command.argv[:4] == ["python3", "/x/server.py", "serve", "Qwen/Qwen3-0.6B"]
     assert command.argv[command.argv.index("--host") + 1] == "0.0.0.0"
     assert command.venv is None and "VIRTUAL_ENV" not in command.env
     assert "vllm-0.30.2" in command.env["VLLM_CACHE_ROOT"]
     resolved = resolve(project, platform="cpu", model="qwen3-0.6b", environ=environ,
                        overrides=["NATIVE_ENGINE_VERSION=0.30.2"])
-    assert native.native_serve_command(project, resolved, environ).argv[0].endswith(
+    assert native_serve_command(project, resolved, environ).argv[0].endswith(
         ".cache/engines/vllm-0.30.2/bin/vllm")
 
 
@@ -229,9 +233,9 @@ time.sleep(120)
 def cleanup() -> Iterator[list[NativeEngine]]:
     engines: list[NativeEngine] = []
     yield engines
-    for engine in engines:
-        engine.grace = 0.5
-        engine.remove()
+    for started in engines:
+        started.grace = 0.5
+        started.remove()
 
 
 def child_of(path: Path) -> tuple[int, int]:
@@ -312,7 +316,7 @@ def test_down_escalates_to_sigkill_and_leaves_no_group_member(
     engine.remove()
     assert gone(child, child_start)
     assert "2 process(es)" in out.getvalue() and "SIGKILL after the 0.5 s grace" in out.getvalue()
-    assert native.EngineGroup(record(pid=leader, start=0), ProcTable()).find() == []
+    assert procs.EngineGroup(record(pid=leader, start=0), ProcTable()).find() == []
 
 
 @pytest.fixture
@@ -384,7 +388,7 @@ def test_dry_run_prints_the_engine_command_and_starts_nothing(project: Project,
     assert "serve Qwen/Qwen3-0.6B" in text and "VLLMSTACK_ENGINE_ID" not in text
     runner = engine.runner
     assert isinstance(runner, RecordingRunner)
-    assert runner.calls and runner.calls[-1][1:4] == ("-m", "vllmstack.runtime.native.engine", "keep")
+    assert runner.calls and runner.calls[-1][1:4] == ("-m", "vllmstack.runtime.native.keeper", "keep")
     assert not (project.generated / "native").exists()
 
 
@@ -403,8 +407,8 @@ def test_keeper_reports_an_engine_that_cannot_run(project: Project, tmp_path: Pa
                                 "record": str(folder / "engine.json"),
                                 "exit": str(folder / "engine.exit.json"), "marker": "x" * 32}))
     (tmp_path / "not-executable").write_text("#!/bin/sh\n")
-    result = subprocess.run([sys.executable, "-m", "vllmstack.runtime.native.engine", "keep", str(spec)],
-                            capture_output=True, text=True, timeout=30, cwd=native.PACKAGE_PARENT,
+    result = subprocess.run([sys.executable, "-m", "vllmstack.runtime.native.keeper", "keep", str(spec)],
+                            capture_output=True, text=True, timeout=30, cwd=engine.PACKAGE_PARENT,
                             check=False)
     assert result.returncode == 1
     assert "could not run" in result.stderr and "Permission denied" in result.stderr
@@ -415,28 +419,26 @@ def test_signals_go_only_to_the_same_process(bystander: subprocess.Popen[bytes])
     table = ProcTable()
     proc = table.get(bystander.pid)
     assert proc is not None
-    older = native.Proc(proc.pid, proc.comm, proc.state, proc.ppid, proc.pgid, proc.sid,
+    older = procs.Proc(proc.pid, proc.comm, proc.state, proc.ppid, proc.pgid, proc.sid,
                         proc.start_ticks - 1)
-    native.send_signal(table, older, signal.SIGKILL)
+    procs.send_signal(table, older, signal.SIGKILL)
     time.sleep(0.1)
     assert bystander.poll() is None
-    native.send_signal(table, proc, signal.SIGKILL)
+    procs.send_signal(table, proc, signal.SIGKILL)
     assert bystander.wait(timeout=5) == -signal.SIGKILL
 
 
 def test_down_fails_loudly_when_a_process_survives_sigkill(
         project: Project, proc_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from vllmstack.serve.lifecycle import LifecycleError
-
     # A process stuck in the kernel ignores even SIGKILL; a fake table keeps reporting it. Its pid
     # is above pid_max, so no signal can reach a real process.
     pid = int(Path("/proc/sys/kernel/pid_max").read_text()) + 10
     fake_proc(proc_root, pid, start=1000, state="D")
     write_record(project, pid=pid, start_ticks=1000, boot_id="boot-a")
-    monkeypatch.setattr(native, "KILL_WAIT_S", 0.2)
+    monkeypatch.setattr(procs, "KILL_WAIT_S", 0.2)
     out = io.StringIO()
     engine = NativeEngine(project, SubprocessRunner(), table=ProcTable(proc_root), grace=0.2, out=out)
-    with pytest.raises(LifecycleError) as err:
+    with pytest.raises(NativeError) as err:
         engine.remove()
     assert f"process(es) {pid} (python3) of the native engine survived SIGKILL" in err.value.cause
     assert err.value.fix is not None and "reboot" in err.value.fix

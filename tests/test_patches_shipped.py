@@ -22,7 +22,8 @@ from conftest import need
 from vllmstack.config.profiles import resolve
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import SubprocessRunner
-from vllmstack.image.patches import load_overlays, patch_files, sdist_repo, verify_patches
+from vllmstack.image.patches import load_overlays, patch_files, verify_patches
+from vllmstack.image.sources import sdist_repo
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "scripts" / "apply-patches.py"

@@ -22,13 +22,13 @@ from vllmstack.core.runner import SubprocessRunner
 from vllmstack.image.patches import (
     PatchError,
     load_overlays,
-    mirror_path,
     overlay_lock,
     parse_component_pairs,
     patch_set_hash,
     render_report,
     verify_patches,
 )
+from vllmstack.image.sources import mirror_path
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "scripts" / "apply-patches.py"

@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import time
 import uuid
 from collections.abc import Iterator
 
 import pytest
 from conftest import need
+from helpers import docker, docker_ready
 from simulator.client import call
 from simulator.fixture import free_port, health_status
 
 SIM_IMAGE = "vllmstack/engine-sim:latest"
 pytestmark = pytest.mark.docker
-DOCKER = shutil.which("docker") or "docker"
 # What the stack's compose file passes after vLLM's `vllm serve` entrypoint.
 SERVE_ARGS = ["/models/Qwen3-0.6B", "--served-model-name", "qwen3", "--port", "8000",
               "--max-model-len", "8k", "--max-num-seqs", "4", "--tensor-parallel-size", "2",
@@ -23,22 +21,9 @@ SERVE_ARGS = ["/models/Qwen3-0.6B", "--served-model-name", "qwen3", "--port", "8
               "--enable-prefix-caching", "--gpu-memory-utilization", "0.9"]
 
 
-def docker(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([DOCKER, *args], capture_output=True, text=True, timeout=timeout,
-                          check=False)
-
-
-def image_ready() -> bool:
-    try:
-        return (docker("info", timeout=20).returncode == 0
-                and docker("image", "inspect", SIM_IMAGE, timeout=20).returncode == 0)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
 @pytest.fixture
 def container_name() -> Iterator[str]:
-    need(image_ready(), f"Docker engine with {SIM_IMAGE} (scripts/test-env.sh builds it)")
+    need(docker_ready(SIM_IMAGE), f"Docker engine with {SIM_IMAGE} (scripts/test-env.sh builds it)")
     name = f"vllmstack-simtest-{uuid.uuid4().hex[:8]}"
     yield name
     docker("rm", "-f", name)

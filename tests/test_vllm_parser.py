@@ -13,6 +13,7 @@ import importlib.util
 import io
 import json
 import os
+from importlib import resources
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 import pytest
 
 from vllmstack.checks import deep as vp
+from vllmstack.checks import parser_pins
 from vllmstack.config.profiles import Resolved, list_profiles, resolve
 from vllmstack.config.vllm_args import build_serve_argv
 from vllmstack.core.findings import Finding
@@ -106,6 +108,55 @@ def resolved_with(project: Project, *sets: str, model: str = "qwen3.8-27b",
 
 
 # --- the environment ---------------------------------------------------------------
+
+# The pinned list of vLLM 0.31.0 as it was written in deep.py before it moved into
+# vllmstack/checks/parser-requirements.txt: the data file must give exactly this, in this order.
+PINNED_0_31_0 = (
+    "torch==2.13.0",
+    "aiohappyeyeballs==2.7.1", "aiohttp==3.14.5", "aiosignal==1.4.0",
+    "annotated-doc==0.0.7", "annotated-types==0.8.0", "anyio==4.16.0",
+    "apache-tvm-ffi==0.1.11", "attrs==26.1.0", "cachetools==8.0.2", "cbor2==6.3.0",
+    "certifi==2026.10.19.post1", "charset-normalizer==3.5.3", "click==8.5.1",
+    "cloudpickle==3.1.3", "fastapi==0.136.3", "filelock==4.3.1", "frozenlist==1.8.0",
+    "fsspec==2026.9.0", "h11==0.16.0", "hf-xet==1.8.0", "httpcore==1.0.9",
+    "httpcore2==2.16.2", "httpx==0.28.1", "httpx2==2.16.2", "huggingface_hub==1.33.0",
+    "idna==3.20", "Jinja2==3.1.6", "jiter==0.19.0", "llguidance==1.7.6",
+    "markdown-it-py==4.3.0", "MarkupSafe==3.0.4", "mdurl==0.1.2", "mpmath==1.3.0",
+    "msgspec==0.23.0", "multidict==7.2.1", "networkx==3.6.1", "numpy==2.4.6",
+    "openai==3.57.0", "opentelemetry-api==1.45.2", "oss-harmony==0.0.11",
+    "packaging==26.4", "partial-json-parser==0.2.1.1.post7", "pillow==13.0.0",
+    "prometheus_client==0.26.0", "propcache==0.5.4", "psutil==7.2.2",
+    "py-cpuinfo==9.0.0", "pybase64==1.5.1", "pydantic==2.14.4", "pydantic_core==2.50.5",
+    "Pygments==2.21.0", "PyYAML==6.0.4", "pyzmq==27.3.0", "regex==2026.11.19",
+    "requests==2.34.2", "rich==15.0.0", "safetensors==0.8.0", "setuptools==84.2.1",
+    "shellingham==1.5.4", "sniffio==1.3.1", "starlette==1.10.0", "sympy==1.14.0",
+    "tokenizers==0.23.3", "tqdm==4.70.1", "transformers==5.17.0", "truststore==0.10.5",
+    "typer==0.29.2", "typing-inspection==0.4.5", "typing_extensions==4.16.0",
+    "urllib3==2.8.0", "uvloop==0.23.0", "xgrammar==0.2.7", "yarl==1.25.1",
+)
+
+
+def test_the_pinned_requirements_file_parses_to_the_lists_it_replaced() -> None:
+    text = resources.files("vllmstack.checks").joinpath(parser_pins.REQUIREMENTS_FILE).read_text(
+        encoding="utf-8")
+    pins = parser_pins.parse_pinned_requirements(text)
+    assert VERSION in pins and all(pins.values())
+    assert pins[VERSION] == PINNED_0_31_0
+    assert vp.requirements_for(VERSION) == PINNED_0_31_0
+    assert vp.requirements_for("0.0.1") is None
+    assert vp._marker_content(VERSION, "python3")["requirements"] == list(PINNED_0_31_0)
+
+
+@pytest.mark.parametrize("text", ["torch==2.13.0\n", "[0.1.0]\na==1\n[0.1.0]\nb==2\n", "[]\n"])
+def test_a_malformed_pinned_requirements_file_is_refused(text: str) -> None:
+    with pytest.raises(ValueError, match=r"parser-requirements\.txt:"):
+        parser_pins.parse_pinned_requirements(text)
+
+
+def test_pinned_requirements_keep_order_and_skip_comments() -> None:
+    text = "# head\n\n[1.0.0]\nb==2  # why\na==1\n[2.0.0]\n"
+    assert parser_pins.parse_pinned_requirements(text) == {"1.0.0": ("b==2", "a==1"), "2.0.0": ()}
+
 
 def test_env_is_created_once_from_the_pinned_list(project: Project) -> None:
     runner = fresh_runner()

@@ -15,27 +15,23 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import helpers
 import pytest
 from conftest import ROOT, need
 
 BASE_IMAGE = "vllmstack/base:bookworm"
-# Debian's client has BuildKit built in; a newer client on PATH may lack buildx.
-DOCKER = "/usr/bin/docker" if Path("/usr/bin/docker").exists() else "docker"
+# The build sees no variable of the caller's environment.
+SEALED = {"DOCKER_BUILDKIT": "1", "PATH": "/usr/bin:/bin"}
 HEADER = "Subject: {s}\nWhy: test\nUpstream: none\nMade-for: v1\nDrop-when: never\n\n"
 pytestmark = pytest.mark.docker
 
 
 def docker(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([DOCKER, *args], capture_output=True, text=True, timeout=timeout,
-                          check=False, env={"DOCKER_BUILDKIT": "1", "PATH": "/usr/bin:/bin"})
+    return helpers.docker(*args, timeout=timeout, env=SEALED)
 
 
 def docker_ok() -> bool:
-    try:
-        return (docker("info", timeout=20).returncode == 0
-                and docker("image", "inspect", BASE_IMAGE, timeout=20).returncode == 0)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
+    return helpers.docker_ready(BASE_IMAGE, env=SEALED)
 
 
 def git(repo: Path, *args: str) -> str:

@@ -14,21 +14,15 @@ from pathlib import Path
 
 import pytest
 import requests
-from conftest import copy_project, need, write_dotenv
-from simulator.fixture import free_port
+from conftest import need
+from helpers import copy_project, docker_ready, free_port, write_dotenv
 
 SIM_IMAGE = "vllmstack/engine-sim:latest"
 pytestmark = pytest.mark.docker
 
 
 def docker_ok() -> bool:
-    try:
-        ok = subprocess.run(["docker", "info"], capture_output=True, timeout=20).returncode == 0
-        image = subprocess.run(["docker", "image", "inspect", SIM_IMAGE], capture_output=True,
-                               timeout=20).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return ok and image and shutil.which("docker-compose") is not None
+    return shutil.which("docker-compose") is not None and docker_ready(SIM_IMAGE)
 
 
 

@@ -18,8 +18,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, copy_project, write_dotenv
-from simulator.fixture import free_port
+from helpers import ROOT, copy_project, free_port, write_dotenv
 
 pytestmark = pytest.mark.slow  # creates virtual environments: about 10 s each
 SIMULATOR = ROOT / "tests" / "simulator" / "server.py"

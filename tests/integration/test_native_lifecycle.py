@@ -16,8 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, copy_project, write_dotenv
-from simulator.fixture import free_port
+from helpers import ROOT, copy_project, free_port, write_dotenv
 
 SIMULATOR = ROOT / "tests" / "simulator" / "server.py"
 WRAPPER = """

@@ -5,14 +5,17 @@
 
 This is a test fixture: it starts a long-running server and kills it, which the stack's
 `Runner` (run a command to completion) is not made for, so it uses subprocess directly.
+
+The engine log lives in a temporary folder that is removed when the block ends (read it inside
+the block); when the block fails, the log's tail is added to the exception as a note.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +25,8 @@ import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from helpers import free_port
 
 SERVER = Path(__file__).resolve().with_name("server.py")
 
@@ -56,11 +61,16 @@ class SimProcess:
                              + self.log_text()[-2000:])
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+def sim_env(tokenizer: Path, *, ttft_ms: float, prefill_tps: float, itl_ms: float,
+            **extra: str) -> dict[str, str]:
+    """SIM_* settings for known pacing: no boot delay, first token after `ttft_ms` plus the
+    prompt at `prefill_tps`, then a step every `itl_ms`; prompt tokens counted with `tokenizer`.
+    `extra` adds or overrides SIM_* keys."""
+    env = {"SIM_BOOT_SECONDS": "0", "SIM_TTFT_MS": str(ttft_ms),
+           "SIM_PREFILL_TPS": str(prefill_tps), "SIM_ITL_MS": str(itl_ms),
+           "SIM_TOKENIZER": str(tokenizer)}
+    env.update(extra)
+    return env
 
 
 def health_status(url: str, timeout: float = 1.0) -> int | None:
@@ -102,7 +112,8 @@ def run_simulator(
 
     `env` adds SIM_* settings (SIM_* from the caller's environment are dropped so tests are
     sealed); `argv` is passed as the `vllm serve` command line, with `--host 127.0.0.1` and
-    `--port` added after it.
+    `--port` added after it. The log folder is made under `log_dir` and kept there when it is
+    given; otherwise it is a temporary folder, removed on exit.
     """
     chosen = port or free_port()
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("SIM_")}
@@ -117,12 +128,21 @@ def run_simulator(
                                 start_new_session=True)
     sim = SimProcess(url=f"http://127.0.0.1:{chosen}", port=chosen, proc=proc,
                      log_path=log_path)
+    failure: Exception | None = None
     try:
         if wait:
             wait_healthy(sim, timeout)
         yield sim
+    except Exception as exc:
+        failure = exc
+        raise
     finally:
         stop_process(proc)
+        if failure is not None and not isinstance(failure, SimulatorError):  # those quote it
+            with contextlib.suppress(OSError):
+                failure.add_note(f"simulator log (tail):\n{sim.log_text()[-2000:]}")
+        if log_dir is None:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def stop_process(proc: subprocess.Popen[bytes], grace: float = 3.0) -> None:

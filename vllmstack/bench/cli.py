@@ -24,115 +24,36 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from vllmstack.bench import history
-from vllmstack.bench.client import ChatClient, EndpointError
-from vllmstack.bench.ladders import DEFAULT_MARGIN, LadderError
-from vllmstack.bench.probes import PROBES, ProbeContext, run_probe
+from vllmstack.bench.client import ChatClient
+from vllmstack.bench.ladders import DEFAULT_MARGIN
+from vllmstack.bench.options import COMMANDS, add_arguments
+from vllmstack.bench.probes import ProbeContext, run_probe
 from vllmstack.bench.prompts import PromptBuilder, TokenizerError, load_tokenizer
 from vllmstack.bench.prompts import resolve_tokenizer as find_tokenizer
 from vllmstack.bench.report import build_report
-from vllmstack.bench.runs import RunError, RunOptions, execute, find_served_model
-from vllmstack.bench.stability import MODES, run_stability
-from vllmstack.bench.target import Target, TargetError, target_from_profile, target_from_url
+from vllmstack.bench.runs import RUN_KINDS, RunOptions, execute, find_served_model
+from vllmstack.bench.stability import run_stability
+from vllmstack.bench.target import Target, target_from_profile, target_from_url
 from vllmstack.bench.verdict import Verdict
+from vllmstack.core.errors import StackError
 from vllmstack.core.paths import Project
 
 EXIT_USAGE = 2
-RUN_COMMANDS = {"bench": "bench", "depth": "depth", "conc": "conc",
-                "bench-depth": "depth", "bench-conc": "conc"}
+# Subcommand (or alias) -> run kind.
+RUN_COMMANDS = {name: cmd.name for cmd in COMMANDS if cmd.name in RUN_KINDS
+                for name in (cmd.name, *cmd.aliases)}
 
 
-class CliError(Exception):
-    """A problem with the arguments or the environment; printed as `error: ...`."""
-
-
-def _add_target(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("target (default: the running stack from the profile)")
-    g.add_argument("--url", help="OpenAI-compatible server root, e.g. http://127.0.0.1:8000")
-    g.add_argument("--model", help="served model name (default: VLLM_SERVED_NAME)")
-    g.add_argument("--tokenizer", help="tokenizer.json, model folder or cached HF id "
-                                       "(default: VLLM_TOKENIZER); never downloaded")
-    g.add_argument("--api-key", default=None, help="Bearer token (default: $VLLM_API_KEY)")
-    g.add_argument("--max-num-seqs", type=int, help="server's max_num_seqs (ladders, probes)")
-    g.add_argument("--profile", help="model profile when targeting the stack")
-    g.add_argument("--platform", help="platform layer when targeting the stack")
-    g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="profile override, repeatable")
-    g.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
-
-
-def _add_history(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--history-dir", type=Path, help="history folder (default: benchmarks/)")
-    p.add_argument("--no-history", action="store_true", help="do not append to history")
-
-
-def _param(text: str) -> tuple[str, Any]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    try:
-        parsed: Any = json.loads(value)
-    except ValueError:
-        parsed = value
-    return key.replace("-", "_"), parsed
+class CliError(StackError):
+    """A problem with the arguments or the environment; printed as `error: ...`, exit 2."""
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m vllmstack.bench",
                                      description=__doc__.split("\n\n")[0] if __doc__ else None)
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, help_text in (("bench", "pp/tg matrix at concurrency 1"),
-                            ("depth", "decode and prefill speed over a context-depth ladder"),
-                            ("conc", "closed-loop concurrency ladder")):
-        p = sub.add_parser(name, help=help_text, aliases=[f"bench-{name}"] if name != "bench"
-                           else [])
-        _add_target(p)
-        _add_history(p)
-        p.add_argument("--pp", type=int, nargs="+", default=[2048], help="prompt tokens")
-        p.add_argument("--tg", type=int, nargs="+", default=[128], help="generated tokens")
-        p.add_argument("--runs", type=int, default=3,
-                       help="measured runs per cell" if name != "conc" else
-                       "not used by conc (--duration sets the sample); accepted so every run "
-                       "kind takes the same options")
-        p.add_argument("--no-warmup", action="store_true", help="skip the warm-up request")
-        p.add_argument("--extra-body", default="{}", help="JSON merged into every request")
-        p.add_argument("--seed", type=int, default=0, help="prompt text position seed")
-        if name == "depth":
-            p.add_argument("--depth", type=int, nargs="+", help="explicit depths (default: "
-                           "powers of two up to the live max_model_len)")
-            p.add_argument("--margin", type=int, default=DEFAULT_MARGIN,
-                           help="tokens kept free at the top of the window")
-            p.add_argument("--prefix-caching", choices=("auto", "on", "off"), default="auto",
-                           help="two-phase (on) or blended (off); auto reads /metrics")
-        p.add_argument("--duration", type=float, default=30.0,
-                       help="closed-loop seconds per level" if name == "conc" else
-                       "used by conc only; accepted so every run kind takes the same options")
-        if name == "conc":
-            p.add_argument("--concurrency", type=int, nargs="+",
-                           help="explicit levels (default: powers of two up to max_num_seqs)")
-    p = sub.add_parser("probe", help="regression probe; exit 0 pass, 1 fail, 2 inconclusive")
-    p.add_argument("name", choices=sorted(PROBES))
-    _add_target(p)
-    _add_history(p)
-    p.add_argument("--param", "-p", action="append", type=_param, default=[],
-                   metavar="KEY=VALUE", help="probe setting, e.g. victims=3, max_choke=8")
-    p = sub.add_parser("stability", help="smoke, stress or long run with a pass/fail table")
-    p.add_argument("mode", choices=MODES)
-    _add_target(p)
-    _add_history(p)
-    p.add_argument("--workers", type=int, help="stress: parallel workers (default 2)")
-    p.add_argument("--requests", type=int, help="stress: requests per worker (default 200)")
-    p.add_argument("--max-tokens", type=int, help="tokens per answer")
-    p.add_argument("--runs", type=int, help="long: runs (default 3)")
-    p.add_argument("--param", "-p", action="append", type=_param, default=[],
-                   metavar="KEY=VALUE", help="other settings, e.g. context_tokens=30000")
-    p = sub.add_parser("report", help="markdown table (and PNG charts) from history")
-    p.add_argument("--kind", nargs="+", choices=history.KINDS, default=list(history.KINDS))
-    p.add_argument("--last", type=int, default=20, help="records per kind")
-    p.add_argument("--history-dir", type=Path)
-    p.add_argument("--out", type=Path, help="write the markdown here (charts next to it)")
-    p.add_argument("--png", action="store_true", help="also draw PNG charts")
-    p.add_argument("--json", action="store_true", help="print {markdown, charts} as JSON")
+    for cmd in COMMANDS:
+        add_arguments(sub.add_parser(cmd.name, help=cmd.doc, aliases=list(cmd.aliases)), cmd)
     return parser
 
 
@@ -281,9 +202,8 @@ def main(argv: Sequence[str] | None = None, *, environ: Mapping[str, str] | None
     except asyncio.CancelledError:
         progress("stopped by signal; nothing was appended to history")
         return 1
-    except (CliError, RunError, TargetError, TokenizerError, EndpointError, LadderError,
-            history.HistoryError) as exc:
-        progress(f"error: {exc}")
+    except StackError as exc:  # RunError, TargetError, TokenizerError, EndpointError, ...
+        progress(exc.render())
         return EXIT_USAGE if isinstance(exc, CliError) else 1
 
 

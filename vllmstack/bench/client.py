@@ -26,11 +26,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllmstack.bench.http import HTTPClient, HTTPError, HTTPTimeoutError
+from vllmstack.core.errors import StackError
 
 DEFAULT_TIMEOUT_S = 600.0
 
 
-class EndpointError(RuntimeError):
+class EndpointError(StackError, RuntimeError):
     """The endpoint could not be used at all (refused, wrong URL, bad model); says what to check."""
 
 

@@ -21,13 +21,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vllmstack.core.errors import StackError
+
 SCHEMA_VERSION: int = 1
 KINDS = ("bench", "depth", "conc", "probe", "stability")
 
 DEFAULT_MAX_BYTES = 4_000_000
 
 
-class HistoryError(ValueError):
+class HistoryError(StackError, ValueError):
     """A history file or record that cannot be used; the message names the file and the fix."""
 
 

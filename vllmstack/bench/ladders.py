@@ -7,11 +7,13 @@ to `max_num_seqs`, plus `max_num_seqs` itself.
 
 from __future__ import annotations
 
+from vllmstack.core.errors import StackError
+
 DEFAULT_MARGIN = 256
 DEFAULT_FIRST_DEPTH = 1024
 
 
-class LadderError(ValueError):
+class LadderError(StackError, ValueError):
     """The window or limits leave no room for a ladder; the message says which number to change."""
 
 

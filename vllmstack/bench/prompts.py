@@ -20,12 +20,14 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from vllmstack.core.errors import StackError
+
 CORPUS_FILE = "essays.txt"
 PARAGRAPH_SEPARATOR = "\n\n"
 MAX_FIT_ROUNDS = 12
 
 
-class TokenizerError(ValueError):
+class TokenizerError(StackError, ValueError):
     """No usable tokenizer; the message lists where we looked and how to fix it."""
 
 

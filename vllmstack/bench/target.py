@@ -1,4 +1,8 @@
-"""What a benchmark talks to: an explicit URL, or the running stack described by its profile."""
+"""What a benchmark talks to: an explicit URL, or the running stack described by its profile.
+
+The dashboard's engine and listening address come from the profile here too (`dashboard_target`),
+so every profile key the benchmarks and the dashboard read is read in one module.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +11,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllmstack.config.profiles import Resolved
+from vllmstack.core.errors import StackError
 
 PIN_KEY = re.compile(r"^[A-Z0-9_]+_(REF|VERSION|IMAGE)$")
 
 
-class TargetError(ValueError):
+class TargetError(StackError, ValueError):
     """The target cannot be worked out; the message names the missing key or flag."""
 
 
@@ -48,7 +53,8 @@ def pins_of(resolved: Resolved) -> dict[str, str]:
             if PIN_KEY.match(k) and s.value}
 
 
-def _int_or_none(value: str | None, key: str) -> int | None:
+def int_or_none(value: str | None, key: str) -> int | None:
+    """A whole number from a profile value; None when unset, TargetError naming `key` when not."""
     if value in (None, ""):
         return None
     try:
@@ -70,7 +76,7 @@ def target_from_profile(
     With an explicit URL the profile still supplies the pins and names for the record, but the
     server may be something else, so `from_profile` is False then.
     """
-    port = resolved.get("VLLM_PORT") or "8180"
+    port = resolved.get_str("VLLM_PORT")
     served = model or resolved.get("VLLM_SERVED_NAME")
     if not served:
         raise TargetError("no model name: pass --model or set VLLM_SERVED_NAME in the profile")
@@ -79,9 +85,9 @@ def target_from_profile(
         url=url or f"http://127.0.0.1:{port}",
         model=served,
         tokenizer=tokenizer or resolved.get("VLLM_TOKENIZER") or resolved.get("VLLM_MODEL"),
-        max_num_seqs=max_num_seqs or _int_or_none(resolved.get("VLLM_MAX_NUM_SEQS"),
-                                                  "VLLM_MAX_NUM_SEQS"),
-        max_model_len=_int_or_none(resolved.get("VLLM_MAX_MODEL_LEN"), "VLLM_MAX_MODEL_LEN"),
+        max_num_seqs=max_num_seqs or int_or_none(resolved.get("VLLM_MAX_NUM_SEQS"),
+                                                 "VLLM_MAX_NUM_SEQS"),
+        max_model_len=int_or_none(resolved.get("VLLM_MAX_MODEL_LEN"), "VLLM_MAX_MODEL_LEN"),
         prefix_caching=None if prefix in (None, "") else prefix.lower() in ("1", "true", "yes"),
         api_key=resolved.get("VLLM_API_KEY") or None,
         profile=resolved.profile,
@@ -99,3 +105,43 @@ def target_from_url(
         raise TargetError("--model is required together with --url (the served model name)")
     return Target(url=url, model=model, tokenizer=tokenizer, max_num_seqs=max_num_seqs,
                   api_key=api_key)
+
+
+@dataclass(frozen=True)
+class DashboardTarget:
+    """The engine a dashboard reads and runs benchmarks against, and where it listens."""
+
+    engine_url: str
+    host: str
+    port: int
+    token: str
+    tokenizer: str | None
+    max_num_seqs: int | None
+
+
+def dashboard_target(
+    resolved: Resolved,
+    *,
+    host: str | None = None,
+    port: int | None = None,
+    engine_url: str | None = None,
+    tokenizer: str | None = None,
+) -> DashboardTarget:
+    """For `invoke dashboard`: the resolved profile's values, then the task's flags.
+
+    Against the profile's own engine the tokenizer and max_num_seqs come from the profile; against
+    another engine URL only --tokenizer counts (the profile's tokenizer and limits may belong to
+    another model).
+    """
+    own_engine = engine_url is None
+    if tokenizer is None and own_engine:
+        tokenizer = resolved.get("VLLM_TOKENIZER") or None
+    return DashboardTarget(
+        engine_url=engine_url or f"http://127.0.0.1:{resolved.get_str('VLLM_PORT')}",
+        host=host or resolved.get_str("DASHBOARD_BIND"),
+        port=port or resolved.get_int("DASHBOARD_PORT"),
+        token=resolved.get_str("DASHBOARD_TOKEN"),
+        tokenizer=tokenizer,
+        max_num_seqs=(int_or_none(resolved.get("VLLM_MAX_NUM_SEQS"), "VLLM_MAX_NUM_SEQS")
+                      if own_engine else None),
+    )

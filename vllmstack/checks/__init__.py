@@ -1,0 +1,16 @@
+"""Checks before boot (`invoke check`): every problem found without starting the engine.
+
+Where things live (a new check goes in the module of its concern, then into RULES):
+  registry.py       RULES (the order of the report), run_checks, check_profile, the report
+  context.py        CheckContext: what every rule reads (settings, schema, model facts)
+  profile.py        the profile itself: bad values, required keys, serve argv, platform, .env
+  files.py          paths a setting names: model, tokenizer, chat template, mounts
+  scheduler.py      speculative decoding and the seqs / batched-tokens / model-length limits
+  capacity.py       tensor parallel vs GPUs and heads, weights + KV cache vs GPU memory
+  tuned_configs.py  the tuned Triton kernel configs (fused_moe_configs/, fp8_configs/)
+  rocm.py           vendor runtime settings: HSA override, AITER, ROCm variables on NVIDIA
+  pins.py           build pins that move together, and overlays locked to a vLLM ref
+  deep.py           `check --deep`: the argv through the pinned vLLM's own parser
+  parser_pins.py    reads parser-requirements.txt: the pinned packages of deep.py's parser
+                    environment, one `[VERSION]` section per vLLM release (edit the .txt)
+"""

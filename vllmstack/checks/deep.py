@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vllmstack.checks.parser_pins import PINNED_REQUIREMENTS
 from vllmstack.config.profiles import Resolved
 from vllmstack.config.vllm_args import ARGS_KEYS, JSON_FLAGS, VALUE_FLAGS
 from vllmstack.core.findings import Finding
@@ -40,38 +41,6 @@ ENV_MARKER = ".vllmstack-parser.json"
 CREATE_TIMEOUT = 1800.0
 PARSE_TIMEOUT = 900.0
 
-# Everything `scripts/vllm-parse-argv.py` imports on its way to vLLM's serve parser,
-# EngineArgs and the config validators, pinned per vLLM release. vLLM itself goes in
-# with --no-deps: its declared dependencies include the CUDA kernel stack (flashinfer,
-# cutlass, triton, ...) that argument parsing never touches, which would cost GBs.
-# Found by importing until nothing was missing (Python 3.11, x86_64), then resolving
-# the result against vLLM's own version bounds; torch is the CPU build (2.13.0 lies on
-# this machine's disk). Bump this together with VLLM_VERSION in .env.example.
-PINNED_REQUIREMENTS: dict[str, tuple[str, ...]] = {
-    "0.31.0": (
-        "torch==2.13.0",
-        "aiohappyeyeballs==2.7.1", "aiohttp==3.14.5", "aiosignal==1.4.0",
-        "annotated-doc==0.0.7", "annotated-types==0.8.0", "anyio==4.16.0",
-        "apache-tvm-ffi==0.1.11", "attrs==26.1.0", "cachetools==8.0.2", "cbor2==6.3.0",
-        "certifi==2026.10.19.post1", "charset-normalizer==3.5.3", "click==8.5.1",
-        "cloudpickle==3.1.3", "fastapi==0.136.3", "filelock==4.3.1", "frozenlist==1.8.0",
-        "fsspec==2026.9.0", "h11==0.16.0", "hf-xet==1.8.0", "httpcore==1.0.9",
-        "httpcore2==2.16.2", "httpx==0.28.1", "httpx2==2.16.2", "huggingface_hub==1.33.0",
-        "idna==3.20", "Jinja2==3.1.6", "jiter==0.19.0", "llguidance==1.7.6",
-        "markdown-it-py==4.3.0", "MarkupSafe==3.0.4", "mdurl==0.1.2", "mpmath==1.3.0",
-        "msgspec==0.23.0", "multidict==7.2.1", "networkx==3.6.1", "numpy==2.4.6",
-        "openai==3.57.0", "opentelemetry-api==1.45.2", "oss-harmony==0.0.11",
-        "packaging==26.4", "partial-json-parser==0.2.1.1.post7", "pillow==13.0.0",
-        "prometheus_client==0.26.0", "propcache==0.5.4", "psutil==7.2.2",
-        "py-cpuinfo==9.0.0", "pybase64==1.5.1", "pydantic==2.14.4", "pydantic_core==2.50.5",
-        "Pygments==2.21.0", "PyYAML==6.0.4", "pyzmq==27.3.0", "regex==2026.11.19",
-        "requests==2.34.2", "rich==15.0.0", "safetensors==0.8.0", "setuptools==84.2.1",
-        "shellingham==1.5.4", "sniffio==1.3.1", "starlette==1.10.0", "sympy==1.14.0",
-        "tokenizers==0.23.3", "tqdm==4.70.1", "transformers==5.17.0", "truststore==0.10.5",
-        "typer==0.29.2", "typing-inspection==0.4.5", "typing_extensions==4.16.0",
-        "urllib3==2.8.0", "uvloop==0.23.0", "xgrammar==0.2.7", "yarl==1.25.1",
-    ),
-}
 # For a release without a pinned list: the distributions (of vLLM's own requirements)
 # that the parser imports. They are installed with vLLM's version bounds and pip
 # resolves the rest; slower and bigger (triton comes along), but it works.
@@ -137,7 +106,9 @@ def parser_env_dir(project: Project, version: str) -> Path:
 
 
 def requirements_for(version: str) -> tuple[str, ...] | None:
-    """The pinned install list for this vLLM release, or None when none is pinned."""
+    """The pinned install list for this vLLM release, or None when none is pinned.
+
+    The lists are in parser-requirements.txt (bump it together with VLLM_VERSION)."""
     return PINNED_REQUIREMENTS.get(version)
 
 
@@ -397,7 +368,7 @@ def check_with_vllm_parser(
     environ: Mapping[str, str] | None = None,
 ) -> list[Finding]:
     """`invoke check --deep`: the pinned version and image come from the resolved settings."""
-    version = (resolved.get("VLLM_VERSION") or "").strip()
+    version = resolved.get_str("VLLM_VERSION").strip()
     if not version:
         return [Finding("error", "vllm-parser-no-version",
                         "VLLM_VERSION is not set, so there is no vLLM release to check against",
@@ -476,7 +447,7 @@ def flag_origin(flag: str, resolved: Resolved | None) -> str | None:
     setting the argv builder turns into that flag."""
     if resolved is not None:
         for key in ARGS_KEYS:
-            for word in (resolved.get(key) or "").split():
+            for word in resolved.get_str(key).split():
                 name = word.split("=", 1)[0].replace("_", "-")
                 # An abbreviation in the free-form args also counts (vLLM accepts those).
                 if name == flag or (name.startswith("--") and len(name) > 3

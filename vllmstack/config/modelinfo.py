@@ -185,12 +185,12 @@ def load_model_facts(resolved: Resolved, environ: Mapping[str, str]) -> ModelFac
         setattr(facts, attr, value)
         facts.sources[attr] = f"{key} @ {resolved.source(key)}"
 
-    name = resolved.get("VLLM_MODEL") or ""
-    hf_cache = resolved.get("HF_CACHE_DIR")
+    name = resolved.get_str("VLLM_MODEL")
+    hf_cache = resolved.get_str("HF_CACHE_DIR")
     model_dir = locate_model_dir(name, environ, hf_cache)
-    if model_dir is None and resolved.get("VLLM_MODEL_ID"):
-        model_dir = locate_model_dir(resolved.get("VLLM_MODEL_ID") or "", environ, hf_cache)
-    override = resolved.get("VLLM_HF_CONFIG_PATH") or ""
+    if model_dir is None and resolved.get_str("VLLM_MODEL_ID"):
+        model_dir = locate_model_dir(resolved.get_str("VLLM_MODEL_ID"), environ, hf_cache)
+    override = resolved.get_str("VLLM_HF_CONFIG_PATH")
     config_dir = Path(override).expanduser() if override else model_dir
     facts.model_dir = model_dir
     config_path = config_dir / "config.json" if config_dir else None

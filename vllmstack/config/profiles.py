@@ -105,6 +105,11 @@ class Resolved:
     def get_list(self, key: str) -> list[str]:
         return as_list(self.get_str(key))
 
+    def get_raw(self, key: str) -> str:
+        """The value as the layers set it ("" when unset), never the schema default: for keys
+        whose empty value means something of its own (leave a flag to vLLM, an unset pin)."""
+        return self.get(key) or ""
+
     def _schema_default(self, key: str) -> str | None:
         spec = (self.schema or load_schema()).get(key)
         return spec.default if spec is not None else None

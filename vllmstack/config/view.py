@@ -6,10 +6,11 @@ import json
 
 from vllmstack.config.profiles import ProfileInfo, Resolved
 from vllmstack.config.vllm_args import ArgvError, build_serve_argv
+from vllmstack.core.errors import StackError
 
 
-class ConfigError(Exception):
-    pass
+class ConfigError(StackError):
+    """The resolved settings cannot be shown as asked (the argv cannot be built)."""
 
 
 def explain_table(resolved: Resolved) -> dict[str, dict[str, str]]:
@@ -23,7 +24,7 @@ def render_config(
         try:
             command = build_serve_argv(resolved)
         except ArgvError as exc:
-            raise ConfigError(str(exc)) from exc
+            raise ConfigError(str(exc), exc.fix) from exc
         return json.dumps(command.argv, indent=2) if as_json else command.shell()
     if explain:
         table = explain_table(resolved)
@@ -38,7 +39,6 @@ def render_config(
         return json.dumps(values, indent=2)
     header = f"# platform={resolved.platform} profile={resolved.profile}"
     return "\n".join([header, *(f"{k}={v}" for k, v in values.items())])
-
 
 
 def render_profiles(infos: list[ProfileInfo]) -> str:

@@ -13,14 +13,17 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from vllmstack.bench.target import TargetError, dashboard_target, int_or_none
+from vllmstack.config.profiles import ProfileError, Resolved, resolve
+from vllmstack.core.paths import Project
 from vllmstack.dashboard.app import DashboardError, DashboardSettings
 
 
-def _int_or_none(raw: str | None) -> int | None:
+def _env_int(environ: Mapping[str, str], key: str) -> int | None:
     try:
-        return int(raw) if raw else None
-    except ValueError:
-        return None
+        return int_or_none(environ.get(key), key)
+    except TargetError:
+        return None  # a default only: the flag can still set it, and the page works without it
 
 
 def parse_settings(argv: Sequence[str], environ: Mapping[str, str]) -> DashboardSettings:
@@ -45,7 +48,7 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Dashboard
     parser.add_argument("--tokenizer", default=environ.get("VLLM_TOKENIZER") or None,
                         help="tokenizer path or id for runs (default: VLLM_TOKENIZER)")
     parser.add_argument("--max-num-seqs", type=int,
-                        default=_int_or_none(environ.get("VLLM_MAX_NUM_SEQS")),
+                        default=_env_int(environ, "VLLM_MAX_NUM_SEQS"),
                         help="the engine's max_num_seqs: top of the concurrency ladder "
                              "(default: VLLM_MAX_NUM_SEQS)")
     parser.add_argument("--poll-interval", type=float, default=1.0,
@@ -80,7 +83,7 @@ def serve(settings: DashboardSettings, environ: Mapping[str, str]) -> None:
 
 
 def settings_from_profile(
-    values: Mapping[str, str],
+    resolved: Resolved,
     history_dir: Path,
     *,
     host: str | None = None,
@@ -88,22 +91,45 @@ def settings_from_profile(
     engine_url: str | None = None,
     tokenizer: str | None = None,
 ) -> DashboardSettings:
-    """Settings for `invoke dashboard`: the resolved profile's values, then the task's flags.
+    """Settings for `invoke dashboard`: the resolved profile's values, then the task's flags."""
+    target = dashboard_target(resolved, host=host, port=port, engine_url=engine_url,
+                              tokenizer=tokenizer)
+    return DashboardSettings(engine_url=target.engine_url, history_dir=history_dir,
+                             host=target.host, port=target.port, token=target.token,
+                             tokenizer=target.tokenizer, max_num_seqs=target.max_num_seqs)
 
-    Against the profile's own engine the tokenizer comes from VLLM_TOKENIZER; against another
-    engine URL only --tokenizer counts (the profile's tokenizer may belong to another model).
+
+def settings_for_stack(
+    project: Project,
+    environ: Mapping[str, str],
+    *,
+    model: str | None = None,
+    platform: str | None = None,
+    sets: Sequence[str] = (),
+    host: str | None = None,
+    port: str | None = None,
+    engine_url: str | None = None,
+    tokenizer: str | None = None,
+) -> DashboardSettings:
+    """`invoke dashboard`'s flags resolved against the profile.
+
+    With --engine-url the dashboard can serve any engine, so a profile that does not resolve is
+    only a note: every setting then takes its schema default.
     """
-    if tokenizer is None and engine_url is None:
-        tokenizer = values.get("VLLM_TOKENIZER") or None
-    return DashboardSettings(
-        engine_url=engine_url or f"http://127.0.0.1:{values.get('VLLM_PORT') or 8180}",
-        history_dir=history_dir,
-        host=host or values.get("DASHBOARD_BIND") or "127.0.0.1",
-        port=port or int(values.get("DASHBOARD_PORT") or 8083),
-        token=values.get("DASHBOARD_TOKEN") or "",
-        tokenizer=tokenizer,
-        max_num_seqs=_int_or_none(values.get("VLLM_MAX_NUM_SEQS")) if engine_url is None else None,
-    )
+    try:
+        resolved = resolve(project, platform=platform, model=model, overrides=list(sets),
+                           environ=environ)
+    except ProfileError as exc:
+        if engine_url is None:
+            raise
+        print(f"note: no profile ({exc}); using defaults", file=sys.stderr)
+        resolved = Resolved(platform="", profile="", values={}, layers=[])
+    try:
+        port_number = int(port) if port else None  # invoke hands over the flag's text
+    except ValueError as exc:
+        raise DashboardError(f"--port must be a number, got {port!r}") from exc
+    return settings_from_profile(resolved, project.benchmarks, host=host, port=port_number,
+                                 engine_url=engine_url, tokenizer=tokenizer)
 
 
 def run(settings: DashboardSettings, environ: Mapping[str, str]) -> int:

@@ -43,6 +43,7 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 
 from vllmstack.bench import history
+from vllmstack.core.errors import StackError
 from vllmstack.dashboard.live import LiveMetrics
 from vllmstack.dashboard.runs import (
     RUN_KINDS,
@@ -63,7 +64,7 @@ LIST_STRING_LIMIT = 2000
 FetchText = Callable[[], Awaitable[str]]
 
 
-class DashboardError(ValueError):
+class DashboardError(StackError, ValueError):
     """Settings the dashboard cannot run with; the message names the setting and the fix."""
 
 

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vllmstack.core.errors import StackError
+
 RUN_KINDS = ("bench", "depth", "conc")
 
 # Wall-clock limits per kind: a depth or concurrency ladder on a big model takes long.
@@ -33,7 +35,7 @@ DEFAULT_TIMEOUTS = {"bench": 1800.0, "depth": 7200.0, "conc": 7200.0}
 CommandBuilder = Callable[[str, Mapping[str, Any]], Sequence[str]]
 
 
-class RunError(RuntimeError):
+class RunError(StackError, RuntimeError):
     """A run could not be started (bad options, engine not reachable); the message says why."""
 
 

@@ -1,4 +1,5 @@
-"""The developer test command: provision what the tests need, then ruff, mypy and pytest."""
+"""The developer test command: provision what the tests need, then ruff, mypy, the import
+contracts (lint-imports) and pytest."""
 
 from __future__ import annotations
 
@@ -9,6 +10,13 @@ from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner
 
 PYTEST_NO_TESTS = 5
+
+
+def lint_imports_argv(python: str | None = None) -> list[str]:
+    """import-linter, run by `python` (default: this interpreter), against the contracts in
+    pyproject.toml [tool.importlinter]. No cache: it would be written into the work tree."""
+    main = "from importlinter.cli import lint_imports_command as main; main()"
+    return [python or sys.executable, "-c", main, "--no-cache", "--no-logo"]
 
 
 def run_test_suite(
@@ -26,6 +34,7 @@ def run_test_suite(
     steps = [
         [py, "-m", "ruff", "check", "vllmstack", "tests", "tasks.py"],
         [py, "-m", "mypy"],
+        lint_imports_argv(py),
     ]
     for argv in steps:
         result = runner.run(argv, capture=False, cwd=project.root)

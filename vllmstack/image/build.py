@@ -4,6 +4,9 @@ The image carries labels (each pin, the verified commits, the patch-set hashes,
 the overlay lock and the upstream hash of every overlaid file), so `invoke
 check` and `invoke up` can tell when the image no longer matches the settings:
 a stale overlay silently replacing newer upstream code is what they prevent.
+
+Pins are read as set (`Resolved.get_raw`), never completed from a schema default: an empty
+pin is an `empty-pin` error, so a label always records what the settings really say.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from pathlib import Path
 
 from vllmstack.config.profiles import Resolved
 from vllmstack.config.schema import Schema, load_schema
+from vllmstack.core.errors import StackError
 from vllmstack.core.findings import Finding
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Result, Runner
@@ -25,13 +29,13 @@ from vllmstack.image.patches import (
     PatchError,
     VerifyReport,
     component_folders,
-    is_url,
     load_overlays,
     overlay_lock,
     patch_set_hash,
     render_report,
     verify_patches,
 )
+from vllmstack.image.sources import is_url
 
 BUILD_FILE = "Dockerfile.fullbuild"
 PACKAGE_LINK = "/opt/vllm-package"
@@ -47,7 +51,7 @@ FETCH_ARGS = {
 }
 
 
-class BuildError(Exception):
+class BuildError(StackError):
     """The build cannot start; the message says why and what to do."""
 
 
@@ -69,7 +73,8 @@ def wheel_version(rocm_image: str, vllm_version: str, gpu_arch: str, commit: str
     release = rocm_release(rocm_image)
     if release is None:
         raise BuildError(f"cannot read the ROCm version from ROCM_IMAGE={rocm_image}: its tag "
-                         "must start with X.Y (e.g. :10.1.0-full)")
+                         "must start with X.Y (e.g. :10.1.0-full)",
+                         "use a tag like docker.io/rocm/dev-ubuntu-24.04:10.1.0-full")
     commit_part = f"g{commit[:12]}." if ".dev" in vllm_version and commit else ""
     return f"{vllm_version}+{commit_part}rocm{release[0]}{release[1]}.{gpu_arch}"
 
@@ -78,11 +83,11 @@ def pin_findings(project: Project, resolved: Resolved) -> list[Finding]:
     """Problems that would stop the build late: empty pins, an unreadable ROCm tag, bad repos."""
     findings: list[Finding] = []
     for key in build_arg_keys():
-        if not (resolved.get(key) or "").strip():
+        if not resolved.get_raw(key).strip():
             findings.append(Finding(
                 "error", "empty-pin", f"{key} is empty; Dockerfile.fullbuild needs it",
                 key=key, source=resolved.source(key), fix=f"set {key} in .env (see .env.example)"))
-    image = resolved.get("ROCM_IMAGE") or ""
+    image = resolved.get_raw("ROCM_IMAGE")
     if image and rocm_release(image) is None:
         findings.append(Finding(
             "error", "rocm-image-tag", f"ROCM_IMAGE={image}: the tag must start with the ROCm "
@@ -90,7 +95,7 @@ def pin_findings(project: Project, resolved: Resolved) -> list[Finding]:
             key="ROCM_IMAGE", source=resolved.source("ROCM_IMAGE"),
             fix="use a tag like docker.io/rocm/dev-ubuntu-24.04:10.1.0-full"))
     for name, (repo_key, _) in COMPONENTS.items():
-        repo = resolved.get(repo_key) or ""
+        repo = resolved.get_raw(repo_key)
         if repo and not is_url(repo) and _local_source(project, name, repo) is None:
             findings.append(Finding(
                 "error", "local-repo-outside-context",
@@ -119,7 +124,7 @@ def dockerfile_hash(project: Project) -> str:
 
 def image_labels(project: Project, resolved: Resolved, report: VerifyReport) -> dict[str, str]:
     """The labels `invoke build` puts on the image (and `image_label_findings` compares)."""
-    labels = {PIN_LABEL + key.lower(): resolved.get(key) or "" for key in build_arg_keys()}
+    labels = {PIN_LABEL + key.lower(): resolved.get_raw(key) for key in build_arg_keys()}
     for name in component_folders(project):
         if name in COMPONENTS:
             labels[f"{LABEL}patches.{name}"] = patch_set_hash(project.patches / name)
@@ -135,8 +140,8 @@ def image_labels(project: Project, resolved: Resolved, report: VerifyReport) -> 
     labels[LABEL + "dockerfile"] = dockerfile_hash(project)
     labels[LABEL + "vllm-package"] = PACKAGE_LINK
     labels[LABEL + "vllm-wheel-version"] = wheel_version(
-        resolved.get("ROCM_IMAGE") or "", resolved.get("VLLM_VERSION") or "",
-        resolved.get("GPU_ARCH") or "", vllm.commit if vllm else "")
+        resolved.get_raw("ROCM_IMAGE"), resolved.get_raw("VLLM_VERSION"),
+        resolved.get_raw("GPU_ARCH"), vllm.commit if vllm else "")
     return labels
 
 
@@ -156,7 +161,7 @@ def read_image_labels(runner: Runner, docker: str, image: str) -> dict[str, str]
 def image_label_findings(project: Project, resolved: Resolved,
                          labels: dict[str, str] | None) -> list[Finding]:
     """One warning per way the image differs from the current pins, patches and overlay locks."""
-    image = resolved.get("VLLM_IMAGE") or "the engine image"
+    image = resolved.get_str("VLLM_IMAGE")
     if labels is None:
         return [Finding("info", "image-missing", f"{image} does not exist (yet), so its pins "
                         "and patches were not compared", key="VLLM_IMAGE",
@@ -170,7 +175,7 @@ def image_label_findings(project: Project, resolved: Resolved,
         if key in NOT_COMPARED:
             continue
         built = labels.get(PIN_LABEL + key.lower())
-        now = resolved.get(key) or ""
+        now = resolved.get_raw(key)
         if built != now:
             was = "no record" if built is None else repr(built)
             findings.append(Finding(
@@ -263,15 +268,15 @@ class BuildOutcome:
 def plan_build(project: Project, resolved: Resolved, report: VerifyReport, *,
                no_cache: bool = False, target: str | None = None) -> BuildPlan:
     """The exact `docker build` argv: every pin a build arg, every label, BuildKit on."""
-    docker = resolved.get("DOCKER") or "docker"
-    image = resolved.get("VLLM_IMAGE") or "localhost/vllm-fullbuild:latest"
+    docker = resolved.get_str("DOCKER")
+    image = resolved.get_str("VLLM_IMAGE")
     # `env` puts BuildKit in the command itself, so the printed line reproduces the build.
     argv = ["env", "DOCKER_BUILDKIT=1", docker, "build", "--progress=plain",
             "--file", str(project.root / BUILD_FILE), "--tag", image]
     for key in build_arg_keys():
-        argv += ["--build-arg", f"{key}={resolved.get(key) or ''}"]
+        argv += ["--build-arg", f"{key}={resolved.get_raw(key)}"]
     for name, (repo_key, _) in COMPONENTS.items():
-        repo = resolved.get(repo_key) or ""
+        repo = resolved.get_raw(repo_key)
         if repo and not is_url(repo) and _local_source(project, name, repo) is not None:
             arg, stage = FETCH_ARGS[name]
             argv += ["--build-arg", f"{arg}={stage}-local"]
@@ -308,7 +313,7 @@ def build_image(project: Project, resolved: Resolved, runner: Runner, *,
     try:
         outcome.plan = plan_build(project, resolved, report, no_cache=no_cache, target=target)
     except (BuildError, PatchError) as exc:
-        outcome.findings.append(Finding("error", "build-plan", str(exc)))
+        outcome.findings.append(Finding("error", "build-plan", str(exc), fix=exc.fix))
         return outcome
     outcome.result = runner.run(outcome.plan.argv, capture=False, cwd=project.root,
                                 env=dict(environ))

@@ -6,9 +6,9 @@ Layout (one folder per upstream repository):
   patches/<component>/overlays/...       the overlay files themselves
 
 `verify_patches` keeps a bare mirror of each upstream repository under
-.cache/mirrors and asks scripts/apply-patches.py (the same script the image
-build runs) for the status of every patch at the pinned ref, on a scratch
-index: no checkout, so a warm run takes seconds even for vLLM.
+.cache/mirrors (vllmstack.image.sources) and asks scripts/apply-patches.py (the
+same script the image build runs) for the status of every patch at the pinned
+ref, on a scratch index: no checkout, so a warm run takes seconds even for vLLM.
 """
 
 from __future__ import annotations
@@ -16,19 +16,18 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import shutil
 import sys
-import tarfile
 import tomllib
-import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from vllmstack.config.profiles import Resolved
+from vllmstack.core.errors import StackError
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner
+from vllmstack.image.sources import GitTool, SourceError, is_url, local_repo
 
 # Patch folder name -> the settings that name its repository and ref.
 COMPONENTS: dict[str, tuple[str, str]] = {
@@ -48,8 +47,9 @@ PATCH_BLOCKING = ("fails", "upstream")
 OVERLAY_BLOCKING = ("drifted", "conflicts")
 
 
-class PatchError(ValueError):
-    """Bad input for verification (a flag, a manifest, a repository): the message has the fix."""
+class PatchError(StackError, ValueError):
+    """Bad input for verification (a flag, a manifest, a patch folder the patch script refuses):
+    the message has the fix. An unreachable repository or ref is a sources.SourceError."""
 
 
 # --- overlays -------------------------------------------------------------------------------
@@ -170,97 +170,6 @@ def component_folders(project: Project) -> list[str]:
     return [c for c in COMPONENTS if c in present] + [c for c in present if c not in COMPONENTS]
 
 
-# --- mirrors ---------------------------------------------------------------------------------
-
-def is_url(repo: str) -> bool:
-    return "://" in repo or bool(re.match(r"^[\w.-]+@[\w.-]+:", repo))
-
-
-def mirror_path(cache: Path, repo: str) -> Path:
-    """One bare mirror per repository: a readable name plus a hash of the exact URL or path."""
-    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", repo.rstrip("/").split("/")[-1].removesuffix(".git"))
-    key = hashlib.sha256(repo.encode()).hexdigest()[:10]
-    return cache / "mirrors" / f"{slug or 'repo'}-{key}.git"
-
-
-@dataclass
-class GitTool:
-    """Git and the patch script through the stack's runner; mirrors live in `cache`."""
-
-    runner: Runner
-    cache: Path
-    environ: Mapping[str, str]
-
-    @property
-    def env(self) -> dict[str, str]:
-        # Never wait for a password prompt: a private URL without credentials fails fast.
-        return {**self.environ, "GIT_TERMINAL_PROMPT": "0", "LC_ALL": "C"}
-
-    def git(self, git_dir: Path, *args: str, timeout: float | None = None) -> tuple[bool, str]:
-        # Mirror upkeep only fills the stack's cache, so it runs under --dry-run too.
-        result = self.runner.run(["git", f"--git-dir={git_dir}", *args], env=self.env,
-                                 timeout=timeout, mutates=False)
-        return result.ok, (result.stdout if result.ok else result.stderr).strip()
-
-    def ensure_mirror(self, repo: str) -> Path:
-        path = mirror_path(self.cache, repo)
-        if (path / "HEAD").is_file():
-            return path
-        partial = path.with_name(path.name + ".partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.parent.mkdir(parents=True, exist_ok=True)
-        init = self.runner.run(["git", "init", "--bare", "--quiet", str(partial)], env=self.env,
-                               mutates=False)
-        if not init.ok:
-            raise PatchError(f"cannot create a mirror in {partial}: {init.stderr.strip()}")
-        # Branches and tags only: a GitHub mirror of refs/* would also pull every PR head.
-        steps = [
-            ("config", "remote.origin.url", repo),
-            ("config", "--replace-all", "remote.origin.fetch", "+refs/heads/*:refs/heads/*"),
-            ("config", "--add", "remote.origin.fetch", "+refs/tags/*:refs/tags/*"),
-            ("fetch", "--prune", "--quiet", "origin"),
-        ]
-        for step in steps:
-            ok, out = self.git(partial, *step)
-            if not ok:
-                raise PatchError(f"cannot mirror {repo}: git {step[0]} failed: {out[-400:]}")
-        # Only a complete mirror gets the real name, so an interrupted clone is redone.
-        partial.rename(path)
-        return path
-
-    def resolve(self, mirror: Path, repo: str, ref: str) -> tuple[str, str]:
-        """(commit, note). Tags and commits found locally are used as is; branches are refreshed."""
-        is_branch = self.git(mirror, "show-ref", "--verify", "--quiet", f"refs/heads/{ref}")[0]
-        ok, sha = self.git(mirror, "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}")
-        if ok and sha and not is_branch:
-            return sha, ""
-        fetched, error = self.git(mirror, "fetch", "--prune", "--quiet", "origin")
-        ok, sha = self.git(mirror, "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}")
-        if not (ok and sha) and re.fullmatch(r"[0-9a-f]{40}", ref):
-            # A commit that no branch or tag holds (a pull request's head, say).
-            self.git(mirror, "fetch", "--quiet", "origin", ref)
-            ok, sha = self.git(mirror, "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}")
-        if ok and sha:
-            note = "" if fetched else f"could not refresh the mirror ({error[-200:]}); used its copy"
-            return sha, note
-        raise PatchError(f"ref {ref!r} is not a tag, branch or commit of {repo}"
-                         + ("" if fetched else f" (fetch failed: {error[-200:]})"))
-
-    def run_patch_tool(self, tool: Path, mirror: Path, commit: str, folder: Path,
-                       hash_paths: Sequence[str]) -> dict[str, Any]:
-        argv = [sys.executable, str(tool), "verify", "--git-dir", str(mirror), "--ref", commit,
-                "--patches", str(folder), "--json"]
-        for path in hash_paths:
-            argv += ["--hash", path]
-        result = self.runner.run(argv, env=self.env, mutates=False)
-        try:
-            data: dict[str, Any] = json.loads(result.stdout)
-        except json.JSONDecodeError as exc:
-            message = (result.stderr or result.stdout).strip().removeprefix("apply-patches: ")
-            raise PatchError(message or f"{tool.name} printed no report") from exc
-        return data
-
-
 # --- verification -------------------------------------------------------------------------------
 
 @dataclass
@@ -368,8 +277,8 @@ def _verify_component(project: Project, resolved: Resolved, git: GitTool, tool: 
         return ComponentReport(name, "", "", folder, error=(
             f"unknown patch folder patches/{name}: known components are "
             f"{', '.join(COMPONENTS)} (rename the folder)"))
-    repo = repo or resolved.get(keys[0]) or ""
-    ref = ref or resolved.get(keys[1]) or ""
+    repo = repo or resolved.get_raw(keys[0])
+    ref = ref or resolved.get_raw(keys[1])
     report = ComponentReport(name, repo, ref, folder)
     try:
         overlays = load_overlays(project, name) if folder == project.patches / name else []
@@ -386,12 +295,12 @@ def _verify_component(project: Project, resolved: Resolved, git: GitTool, tool: 
         report.error = f"the patch script {tool} is missing"
         return report
     try:
-        source = repo if is_url(repo) else str(_local_repo(project, repo))
+        source = repo if is_url(repo) else str(local_repo(project, repo))
         mirror = git.ensure_mirror(source)
         report.commit, report.note = git.resolve(mirror, repo, ref)
-        data = git.run_patch_tool(tool, mirror, report.commit, folder,
-                                  [o.target for o in overlays])
-    except PatchError as exc:
+        data = run_patch_tool(git, tool, mirror, report.commit, folder,
+                              [o.target for o in overlays])
+    except (SourceError, PatchError) as exc:
         report.error = str(exc)
         return report
     touched: dict[str, list[str]] = {}
@@ -405,13 +314,21 @@ def _verify_component(project: Project, resolved: Resolved, git: GitTool, tool: 
     return report
 
 
-def _local_repo(project: Project, repo: str) -> Path:
-    path = Path(repo).expanduser()
-    if not path.is_absolute():
-        path = project.root / path
-    if not path.exists():
-        raise PatchError(f"repository {repo} does not exist (a URL, or a path to a git repository)")
-    return path.resolve()
+def run_patch_tool(git: GitTool, tool: Path, mirror: Path, commit: str, folder: Path,
+                   hash_paths: Sequence[str]) -> dict[str, Any]:
+    """`apply-patches.py verify` on the mirror at `commit`: every patch's status, and the
+    sha256 of each of `hash_paths` at that commit. The tool's refusal is a PatchError."""
+    argv = [sys.executable, str(tool), "verify", "--git-dir", str(mirror), "--ref", commit,
+            "--patches", str(folder), "--json"]
+    for path in hash_paths:
+        argv += ["--hash", path]
+    result = git.runner.run(argv, env=git.env, mutates=False)
+    try:
+        data: dict[str, Any] = json.loads(result.stdout)
+    except json.JSONDecodeError as exc:
+        message = (result.stderr or result.stdout).strip().removeprefix("apply-patches: ")
+        raise PatchError(message or f"{tool.name} printed no report") from exc
+    return data
 
 
 def _overlay_status(overlay: Overlay, ref: str, current: str | None,
@@ -455,71 +372,6 @@ def render_report(report: VerifyReport) -> str:
     verdict = "FAILED: the build would stop (see above)" if report.failed else "all clean"
     lines.append(verdict)
     return "\n".join(lines)
-
-
-# --- a vLLM source repository from the PyPI sdist (tests, benchmark) ---------------------------
-
-SIMPLE_INDEX = "https://pypi.org/simple/{name}/"
-
-
-def sdist_repo(cache: Path, runner: Runner, *, name: str = "vllm", version: str,
-               environ: Mapping[str, str]) -> Path:
-    """A git repository of `name`'s sdist at `version`, tagged v<version>, cached under `cache`.
-
-    The sdist carries the source tree of the release, so it stands in for the
-    upstream repository where the git host is out of reach (CI, benchmarks).
-    """
-    repo = cache / "sources" / f"{name}-{version}"
-    tag = f"v{version}"
-    env = {**environ, "GIT_AUTHOR_NAME": "sdist", "GIT_AUTHOR_EMAIL": "sdist@localhost",
-           "GIT_COMMITTER_NAME": "sdist", "GIT_COMMITTER_EMAIL": "sdist@localhost",
-           "GIT_AUTHOR_DATE": "2000-01-01T00:00:00Z", "GIT_COMMITTER_DATE": "2000-01-01T00:00:00Z"}
-    if runner.run(["git", "-C", str(repo), "rev-parse", "--verify", "--quiet", tag],
-                  env=env, mutates=False).ok:
-        return repo
-    archive = download_sdist(cache / "sdist", name, version)
-    building = repo.with_name(repo.name + ".partial")
-    shutil.rmtree(building, ignore_errors=True)
-    building.mkdir(parents=True)
-    with tarfile.open(archive) as tar:
-        top = f"{name}-{version}/"
-        members = [m for m in tar.getmembers() if m.name.startswith(top) and m.isreg()]
-        for member in members:
-            member.name = member.name[len(top):]
-        tar.extractall(building, members=members, filter="data")
-    for argv in (["git", "init", "--quiet"], ["git", "add", "--all", "--force"],
-                 ["git", "commit", "--quiet", "--no-verify", "-m", f"{name} {version} (sdist)"],
-                 ["git", "tag", tag]):
-        runner.run(argv, cwd=building, env=env, check=True)
-    building.rename(repo)
-    return repo
-
-
-def download_sdist(folder: Path, name: str, version: str) -> Path:
-    """Fetch <name>-<version>.tar.gz via PyPI's JSON simple index, checking its sha256."""
-    target = folder / f"{name}-{version}.tar.gz"
-    if target.is_file():
-        return target
-    request = urllib.request.Request(SIMPLE_INDEX.format(name=name),
-                                     headers={"Accept": "application/vnd.pypi.simple.v1+json"})
-    with urllib.request.urlopen(request, timeout=60) as answer:
-        listing = json.load(answer)
-    files = [f for f in listing.get("files", []) if f.get("filename") == target.name]
-    if not files:
-        raise PatchError(f"PyPI has no {target.name}")
-    folder.mkdir(parents=True, exist_ok=True)
-    partial = target.with_suffix(".partial")
-    digest = hashlib.sha256()
-    with urllib.request.urlopen(files[0]["url"], timeout=600) as answer, partial.open("wb") as out:
-        while chunk := answer.read(1 << 20):
-            digest.update(chunk)
-            out.write(chunk)
-    expected = files[0].get("hashes", {}).get("sha256")
-    if expected and digest.hexdigest() != expected:
-        partial.unlink()
-        raise PatchError(f"{target.name}: sha256 {digest.hexdigest()} is not PyPI's {expected}")
-    partial.rename(target)
-    return target
 
 
 def _display(project: Project, path: Path) -> str:

@@ -1,13 +1,18 @@
-"""The runtime seam: how an engine is started, watched, logged and stopped.
+"""The runtime seam: how an engine is prepared, started, watched, logged and stopped.
 
-Two implementations: Compose (a container, vllmstack.runtime.compose) and a native process group
-(vllmstack.runtime.native.engine). Everything else in `up`/`down`/`status` is shared.
+Two implementations: Compose (a container: vllmstack.runtime.compose) and a native process group
+(vllmstack.runtime.native). Everything runtime-specific sits behind this interface, so the
+serving layer (`up`/`down`/`status`) never asks which runtime it has. A new runtime implements
+this Protocol and is chosen in vllmstack.runtime.select.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from vllmstack.config.vllm_args import ServeCommand
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,10 @@ class EngineRuntime(Protocol):
         """The concrete variant (compose, compose-v1, podman, native), so later calls reuse it."""
         ...
 
+    def prepare(self, command: ServeCommand, *, dry_run: bool) -> list[str]:
+        """Everything before start (images, folders, rendered files); returns notes for the user."""
+        ...
+
     def start(self) -> None:
         """Start (or recreate) the engine; returns once it is launched, not healthy."""
         ...
@@ -40,6 +49,14 @@ class EngineRuntime(Protocol):
     def state(self) -> EngineState: ...
 
     def log_lines(self, tail: int = 400) -> list[str]: ...
+
+    def log_command(self, *, tail: int, follow: bool, service: str) -> list[str] | None:
+        """The argv that streams a service's log, or None when `log_lines` is all there is."""
+        ...
+
+    def exec_command(self, command: Sequence[str], *, tty: bool) -> list[str]:
+        """The argv that runs `command` beside the engine (raises where there is nowhere to run)."""
+        ...
 
     def stop(self) -> None:
         """Stop the engine (keeping its log where the runtime can)."""
@@ -52,3 +69,9 @@ class EngineRuntime(Protocol):
     def members(self) -> list[dict[str, Any]]:
         """Containers or processes, for `invoke status`."""
         ...
+
+    def dashboard_up(self) -> None:
+        """Start the dashboard beside the engine (or say how to)."""
+        ...
+
+    def dashboard_down(self) -> None: ...

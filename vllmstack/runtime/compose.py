@@ -1,40 +1,46 @@
-"""Compose: detect the CLI, render the per-profile part into generated/, build compose argv.
+"""The Compose runtime: detect the CLI, prepare the rendered files and run the engine service.
 
-compose.yaml holds the static services; everything that depends on the profile (the engine
-command, its environment, GPU devices, overlay and tuned-config mounts, host paths and ids) is
-rendered here as data (yaml.safe_dump of dicts, never string concatenation) into the
-git-ignored generated/ folder, which is what compose then runs.
+`ComposeEngine` implements `EngineRuntime` for Compose v2, Compose v1 and Podman: everything
+that only containers need (the image, the cache folders, the rendered override, the AITER
+prewarm, the dashboard side-car, logs and exec through compose) lives here, so the serving
+layer never asks which runtime it has.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shlex
-from collections.abc import Mapping
+import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import yaml
+from typing import Any, TextIO
 
 from vllmstack.config.profiles import Resolved
-from vllmstack.config.schema import Schema, is_engine_env_name, load_schema
 from vllmstack.config.vllm_args import ServeCommand
-from vllmstack.core.paths import Project, home_dir
+from vllmstack.core.errors import StackError
+from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner
+from vllmstack.image import build
+from vllmstack.runtime import compose_files, engine_env
 from vllmstack.runtime.base import MISSING, EngineState
+from vllmstack.runtime.compose_files import DASHBOARD_SERVICE, ENGINE_SERVICE, PACKAGE_LABEL
 
-ENGINE_SERVICE = "vllm"
-DASHBOARD_SERVICE = "dashboard"
-# Where a vllmstack-built image exposes the installed vLLM package (a symlink made in the
-# runtime stage, recorded as this label), so mounts never hard-code a Python version.
-PACKAGE_LABEL = "vllmstack.vllm-package"
-FP8_CONFIG_DIR = "model_executor/layers/quantization/utils/configs"
-ENGINE_CACHE_SUBDIRS = ("home", "vllm", "triton", "torchinductor", "aiter/jit")
+# Builds AITER's JIT core and the unified-attention kernels once, in a throwaway container, so
+# the tensor-parallel workers do not race to build them at boot (ModuleNotFoundError, or a
+# deadlock on a stale build lock).
+AITER_PREWARM = ("import aiter; "
+                 "from aiter.ops.triton.unified_attention import unified_attention")
+# The image's Python (the venv that has vLLM) first on PATH: a bare `python3` in the
+# container is otherwise the system interpreter without vLLM.
+EXEC_PREFIX = ('for d in /opt/venv/bin "$(dirname "$(readlink -f /opt/vllm-package 2>/dev/null)" '
+               '2>/dev/null)/../../../bin"; do [ -x "$d/python3" ] && PATH="$d:$PATH" && break; '
+               'done; exec "$@"')
+# A system CA bundle handed to pip inside the build as a secret (never baked into the image), for
+# hosts behind a TLS-re-signing proxy; harmless elsewhere.
+CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 
 
-class ComposeError(RuntimeError):
+class ComposeError(StackError):
     """Compose cannot be used as configured; the message says what to do."""
 
 
@@ -69,276 +75,8 @@ def detect_compose(runner: Runner, docker: str, requested: str = "auto") -> Comp
         tried.append(" ".join(cli.base))
     raise ComposeError(
         "no working compose found (tried: " + ", ".join(tried) + "). Install Docker Compose v2 "
-        "(docker compose), docker-compose, or podman compose; or choose one with --runtime.")
-
-
-@dataclass
-class HostIds:
-    uid: int
-    gid: int
-    render_gid: int | None
-    video_gid: int | None
-
-
-def detect_host_ids(resolved: Resolved, root: Path = Path("/")) -> HostIds:
-    """The engine runs as the invoking user; device groups are read from the device nodes."""
-
-    def setting(key: str) -> int | None:
-        raw = resolved.get(key)
-        return int(raw) if raw and raw.strip().isdigit() else None
-
-    def gid_of(path: str) -> int | None:
-        try:
-            return (root / path.lstrip("/")).stat().st_gid
-        except OSError:
-            return None
-
-    render = setting("RENDER_GID")
-    if render is None:
-        nodes = sorted((root / "dev/dri").glob("renderD*")) if (root / "dev/dri").is_dir() else []
-        render = nodes[0].stat().st_gid if nodes else None
-    uid, gid = setting("USER_UID"), setting("USER_GID")
-    return HostIds(
-        uid=uid if uid is not None else os.getuid(),
-        gid=gid if gid is not None else os.getgid(),
-        render_gid=render,
-        video_gid=setting("VIDEO_GID") or gid_of("/dev/kfd"),
-    )
-
-
-@dataclass
-class StackPaths:
-    hf_cache: Path
-    engine_cache: Path
-    models_dir: Path | None
-
-
-def stack_paths(resolved: Resolved, environ: Mapping[str, str]) -> StackPaths:
-    home = home_dir(environ)
-    cache = Path(resolved.get("HOST_CACHE_DIR") or home / ".cache").expanduser()
-    hf = Path(resolved.get("HF_CACHE_DIR") or cache / "huggingface").expanduser()
-    models = resolved.get("MODELS_DIR")
-    return StackPaths(hf, cache / "vllmstack-engine", Path(models).expanduser() if models else None)
-
-
-def ensure_cache_dirs(paths: StackPaths, ids: HostIds, *, dry_run: bool) -> list[str]:
-    """Create the mounted cache folders user-owned before compose does (it would make them root's).
-
-    Returns what was done, one line each. Raises ComposeError with the exact fix when a folder
-    belongs to someone else and we cannot change that.
-    """
-    done: list[str] = []
-    folders = [paths.hf_cache, paths.engine_cache,
-               *(paths.engine_cache / sub for sub in ENGINE_CACHE_SUBDIRS)]
-    for folder in folders:
-        if not folder.exists():
-            done.append(f"mkdir -p {shlex.quote(str(folder))}")
-            if not dry_run:
-                folder.mkdir(parents=True, exist_ok=True)
-                if os.geteuid() == 0:
-                    os.chown(folder, ids.uid, ids.gid)
-            continue
-        owner = folder.stat().st_uid
-        if owner != ids.uid:
-            if os.geteuid() == 0 and not dry_run:
-                os.chown(folder, ids.uid, ids.gid)
-                done.append(f"chown {ids.uid}:{ids.gid} {folder}")
-            elif os.geteuid() != 0:
-                raise ComposeError(
-                    f"{folder} belongs to uid {owner}, but the engine runs as uid {ids.uid} and "
-                    f"could not write its caches. Fix once: sudo chown -R {ids.uid}:{ids.gid} {folder}")
-    return done
-
-
-def clear_engine_caches(paths: StackPaths, *, dry_run: bool) -> list[str]:
-    """Delete the engine's compile and JIT caches (never the Hugging Face cache); one line each."""
-    import shutil
-
-    done = []
-    for sub in ("vllm", "triton", "torchinductor", "aiter", "home", "native"):
-        folder = paths.engine_cache / sub
-        if not folder.exists():
-            continue
-        done.append(f"rm -rf {shlex.quote(str(folder))}")
-        if not dry_run:
-            try:
-                shutil.rmtree(folder)
-            except PermissionError as exc:
-                raise ComposeError(f"cannot delete {exc.filename}: it belongs to another user. "
-                                   f"Fix once: sudo rm -rf {folder}") from exc
-    return done
-
-
-def engine_environment(resolved: Resolved, schema: Schema) -> dict[str, str]:
-    """What the engine process sees: container-env keys, plus unknown engine-looking keys."""
-    env: dict[str, str] = {}
-    for key, setting in sorted(resolved.values.items()):
-        if key == "ENGINE_ENV":
-            continue
-        spec = schema.get(key)
-        passes = spec.becomes == "container-env" if spec else is_engine_env_name(key)
-        # An empty value is "unset" (an empty HSA override or device list would hide GPUs;
-        # `invoke check` reports the HSA case as an error).
-        if passes and setting.value != "":
-            env[key] = setting.value
-    for word in shlex.split(resolved.get("ENGINE_ENV") or ""):
-        key, sep, value = word.partition("=")
-        if sep and key:
-            env[key] = value
-    return env
-
-
-def _escape(value: str) -> str:
-    """Compose interpolates $ in every string of a compose file; the rendered values are literal."""
-    return value.replace("$", "$$")
-
-
-@dataclass
-class Rendered:
-    folder: Path
-    override: Path
-    env_file: Path
-    argv_file: Path
-    notes: list[str] = field(default_factory=list)
-
-
-def build_override(
-    project: Project,
-    resolved: Resolved,
-    command: ServeCommand,
-    *,
-    runtime: str,
-    ids: HostIds,
-    paths: StackPaths,
-    package_dir: str | None,
-    schema: Schema | None = None,
-) -> tuple[dict[str, Any], list[str]]:
-    """The per-profile compose override as a dict, and notes on what was left out and why."""
-    schema = schema or load_schema()
-    notes: list[str] = []
-    # The images' entrypoint is `vllm serve`; the command is everything after it.
-    service: dict[str, Any] = {
-        "command": [_escape(a) for a in command.argv[2:]],
-        "environment": {k: _escape(v) for k, v in engine_environment(resolved, schema).items()},
-        "labels": {
-            "vllmstack.profile": resolved.profile,
-            "vllmstack.platform": resolved.platform,
-            "vllmstack.argv": _escape(json.dumps(command.argv)),
-        },
-    }
-    volumes: list[str] = []
-    vendor = resolved.get("GPU_VENDOR")
-    if vendor == "amd":
-        service["devices"] = ["/dev/kfd", "/dev/dri"]
-        groups = [str(g) for g in (ids.video_gid, ids.render_gid) if g is not None]
-        service["group_add"] = groups or ["video"]
-        # SELinux hosts would otherwise need the device nodes relabelled.
-        service["security_opt"] = ["label=disable"]
-    elif vendor == "nvidia":
-        if runtime == "podman":
-            service["devices"] = ["nvidia.com/gpu=all"]
-        else:
-            service["deploy"] = {"resources": {"reservations": {"devices": [
-                {"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}]}}}
-    if paths.models_dir is not None:
-        volumes.append(f"{paths.models_dir}:{paths.models_dir}:ro")
-    if package_dir:
-        volumes += _overlay_mounts(project, package_dir, notes)
-        device = resolved.get("GPU_DEVICE_NAME") or ""
-        for path in sorted((project.root / "fp8_configs").glob("*.json")):
-            if device and f"device_name={device}," in path.name:
-                volumes.append(f"{path}:{package_dir}/{FP8_CONFIG_DIR}/{path.name}:ro")
-    else:
-        notes.append("the engine image has no vllmstack.vllm-package label (not a vllmstack build): "
-                     "runtime overlays and fp8 tuned configs are not mounted")
-    if volumes:
-        service["volumes"] = [_escape(v) for v in volumes]
-    return {"services": {ENGINE_SERVICE: service,
-                         DASHBOARD_SERVICE: dashboard_service(resolved, paths)}}, notes
-
-
-def dashboard_service(resolved: Resolved, paths: StackPaths) -> dict[str, Any]:
-    """The dashboard's per-profile part: where the engine is, how exposed it is, what runs use."""
-    bind = resolved.get("DASHBOARD_BIND") or "127.0.0.1"
-    service: dict[str, Any] = {
-        "command": ["python", "-m", "vllmstack.dashboard", "--host", "0.0.0.0", "--port", "3000",
-                    # The app sees 0.0.0.0; what users reach is the host address it is published on.
-                    "--exposure", bind,
-                    "--engine-url", f"http://{ENGINE_SERVICE}:{resolved.get('VLLM_PORT') or 8180}",
-                    "--history-dir", "/app/benchmarks"],
-        "environment": {
-            "VLLM_TOKENIZER": _escape(resolved.get("VLLM_TOKENIZER") or resolved.get("VLLM_MODEL") or ""),
-            "VLLM_MAX_NUM_SEQS": resolved.get("VLLM_MAX_NUM_SEQS") or "",
-        },
-    }
-    if paths.models_dir is not None:
-        service["volumes"] = [f"{paths.models_dir}:{paths.models_dir}:ro"]
-    return service
-
-
-def _overlay_mounts(project: Project, package_dir: str, notes: list[str]) -> list[str]:
-    from vllmstack.image import patches
-
-    mounts = []
-    for overlay in patches.load_overlays(project):
-        target = overlay.target.removeprefix("vllm/")
-        mounts.append(f"{Path(overlay.file).resolve()}:{package_dir}/{target}:ro")
-        notes.append(f"overlay {overlay.name} -> {overlay.target} (locked to {overlay.ref})")
-    return mounts
-
-
-def interpolation_env(resolved: Resolved, ids: HostIds, paths: StackPaths) -> dict[str, str]:
-    """Variables compose.yaml interpolates. Prefixed so that no .env can satisfy them: a bare
-    `docker compose up` must fail and say to use invoke."""
-    return {
-        "VLLMSTACK_VLLM_IMAGE": resolved.get("VLLM_IMAGE") or "",
-        "VLLMSTACK_DASHBOARD_IMAGE": resolved.get("DASHBOARD_IMAGE") or "",
-        "VLLMSTACK_USER_UID": str(ids.uid),
-        "VLLMSTACK_USER_GID": str(ids.gid),
-        "VLLMSTACK_VLLM_BIND": resolved.get("VLLM_BIND") or "127.0.0.1",
-        "VLLMSTACK_VLLM_PORT": resolved.get("VLLM_PORT") or "8180",
-        "VLLMSTACK_DASHBOARD_BIND": resolved.get("DASHBOARD_BIND") or "127.0.0.1",
-        "VLLMSTACK_DASHBOARD_PORT": resolved.get("DASHBOARD_PORT") or "8083",
-        "VLLMSTACK_DASHBOARD_TOKEN": resolved.get("DASHBOARD_TOKEN") or "",
-        "VLLMSTACK_HF_CACHE_DIR": str(paths.hf_cache),
-        "VLLMSTACK_ENGINE_CACHE_DIR": str(paths.engine_cache),
-    }
-
-
-def write_rendered(
-    project: Project,
-    resolved: Resolved,
-    command: ServeCommand,
-    override: dict[str, Any],
-    env: dict[str, str],
-    notes: list[str],
-) -> Rendered:
-    """Write generated/ so a run can be read and reproduced by hand."""
-    folder = project.generated
-    folder.mkdir(parents=True, exist_ok=True)
-    header = (f"# Rendered by `invoke up` for profile {resolved.profile} on {resolved.platform}.\n"
-              "# Do not edit: change env/ or .env and run invoke again.\n")
-    override_path = folder / "compose.override.yaml"
-    override_path.write_text(header + yaml.safe_dump(override, sort_keys=False, width=1000))
-    env_path = folder / "compose.env"
-    env_path.write_text(header + "".join(f"{k}={_dotenv_quote(v)}\n" for k, v in env.items()))
-    argv_path = folder / "vllm-argv.txt"
-    argv_path.write_text(command.shell() + "\n")
-    resolved_path = folder / "resolved.env"
-    resolved_path.write_text(header + "".join(
-        f"# {s.source}\n{k}={_dotenv_quote(s.value)}\n" for k, s in sorted(resolved.values.items())))
-    return Rendered(folder, override_path, env_path, argv_path, notes)
-
-
-def _dotenv_quote(value: str) -> str:
-    if value and all(c.isalnum() or c in "._-/:,+@" for c in value):
-        return value
-    return "'" + value.replace("'", "'\\''") + "'"
-
-
-def compose_files(project: Project) -> list[Path]:
-    return [project.root / "compose.yaml", project.generated / "compose.override.yaml"]
-
+        "(docker compose), docker-compose, or podman compose; or choose one with --runtime.",
+        "install one of them, or run the engine without containers: --runtime native")
 
 
 @dataclass
@@ -352,6 +90,11 @@ class ComposeEngine:
     env_file: Path
     service: str = ENGINE_SERVICE
     name: str = "compose"
+    # What `prepare` and the dashboard side-car need; absent in tests that only drive compose.
+    project: Project | None = None
+    resolved: Resolved | None = None
+    environ: Mapping[str, str] = field(default_factory=dict)
+    out: TextIO = field(default_factory=lambda: sys.stdout)
     # The container id, looked up once per container: `up` polls twice a second and would
     # otherwise list containers on every poll.
     _cid: str | None = field(default=None, repr=False)
@@ -383,7 +126,11 @@ class ComposeEngine:
         result = self.runner.run(self.compose("up", "-d", "--force-recreate", "--no-deps",
                                               self.service), timeout=600)
         if not result.ok:
-            raise ComposeError(f"compose could not start the engine:\n{result.stderr.strip()[-1500:]}")
+            image = self.resolved.get_str("VLLM_IMAGE") if self.resolved else "the engine image"
+            raise ComposeError(
+                f"compose could not start the engine:\n{result.stderr.strip()[-1500:]}",
+                f"check that the image {image} exists (`invoke build` makes the full-build image) "
+                "and that the compose files render: generated/compose.override.yaml")
 
     def state(self) -> EngineState:
         cid = self.container_id()
@@ -457,3 +204,118 @@ class ComposeEngine:
     def image_exists(self, image: str) -> bool:
         return self.runner.run([self.cli.engine, "image", "inspect", image], mutates=False,
                                timeout=30).ok
+
+    # -- what only containers need ----------------------------------------------------------------
+
+    def _stack(self) -> tuple[Project, Resolved]:
+        if self.project is None or self.resolved is None:
+            raise ComposeError("no profile was resolved for this compose runtime")
+        return self.project, self.resolved
+
+    def prepare(self, command: ServeCommand, *, dry_run: bool) -> list[str]:
+        """Image, cache folders and the rendered files; returns notes on what was left out."""
+        project, resolved = self._stack()
+        image = resolved.get_str("VLLM_IMAGE")
+        if not dry_run and not self.image_exists(image):
+            hint = ("build it with `invoke build` (a from-source ROCm build: hours)"
+                    if image.startswith("localhost/vllm-fullbuild") else
+                    f"pull it ({self.cli.engine} pull {image}) or set VLLM_IMAGE")
+            raise ComposeError(f"the engine image {image} does not exist on this host", hint)
+        labels = build.read_image_labels(self.runner, self.cli.engine, image)
+        for finding in build.image_label_findings(project, resolved, labels):
+            if finding.severity != "info":
+                print(finding.render(), file=self.out)
+        ids = engine_env.detect_host_ids(resolved)
+        paths = engine_env.stack_paths(resolved, self.environ)
+        for line in engine_env.ensure_cache_dirs(paths, ids, dry_run=dry_run):
+            print(("(dry run) " if dry_run else "") + line, file=self.out)
+        override, notes = compose_files.build_override(
+            project, resolved, command, runtime=self.cli.runtime, ids=ids, paths=paths,
+            package_dir=(labels or {}).get(PACKAGE_LABEL))
+        env = compose_files.interpolation_env(resolved, ids, paths)
+        rendered = compose_files.write_rendered(project, resolved, command, override, env, notes)
+        for note in notes:
+            print(f"note: {note}", file=self.out)
+        print(f"rendered {_relative(rendered.override, project.root)} and "
+              f"{_relative(rendered.env_file, project.root)}", file=self.out)
+        if resolved.get_bool("VLLM_ROCM_USE_AITER"):
+            self.prewarm_aiter(paths, image, dry_run=dry_run)
+        return notes
+
+    def prewarm_aiter(self, paths: engine_env.StackPaths, image: str, *, dry_run: bool) -> None:
+        """Once per image: clear stale AITER build locks, then build the JIT kernels."""
+        jit = paths.engine_cache / "aiter" / "jit"
+        image_id = self.image_id(image) if not dry_run else None
+        marker = jit / f".prewarmed-{(image_id or 'unknown').replace(':', '-')}"
+        if image_id and marker.is_file():
+            return
+        # No engine runs now (the guards made sure), so any build lock left is stale.
+        for lock in sorted((jit / "build").glob("lock_*")) if (jit / "build").is_dir() else []:
+            print(f"{'(dry run) ' if dry_run else ''}removing stale AITER build lock {lock}",
+                  file=self.out)
+            if not dry_run:
+                lock.unlink(missing_ok=True)
+        print("prewarming AITER JIT kernels (once per image, cached under "
+              f"{paths.engine_cache})", file=self.out)
+        result = self.runner.run(self.compose("run", "--rm", "--no-deps", "-T", "--entrypoint",
+                                              "python3", ENGINE_SERVICE, "-c", AITER_PREWARM),
+                                 capture=False, timeout=3600)
+        if not result.ok:
+            raise ComposeError(
+                "building AITER's JIT kernels failed (see the output above)",
+                "check that the image has AITER for this GPU_ARCH (invoke build), or set "
+                "VLLM_ROCM_USE_AITER=0 and ATTENTION_BACKEND=TRITON_ATTN")
+        if not dry_run:
+            jit.mkdir(parents=True, exist_ok=True)
+            marker.write_text(f"{image}\n")
+
+    def dashboard_up(self) -> None:
+        project, resolved = self._stack()
+        if not self.env_file.is_file():
+            raise ComposeError("the stack was never rendered here", "run `invoke up` first")
+        image = resolved.get_str("DASHBOARD_IMAGE")
+        if not self.image_exists(image):
+            self.build_dashboard_image(project, resolved, image)
+        result = self.runner.run(self.compose("--profile", "dashboard", "up", "-d", "--no-deps",
+                                              DASHBOARD_SERVICE), timeout=300)
+        if not result.ok:
+            raise ComposeError(f"the dashboard did not start: {result.stderr.strip()[-500:]}")
+        bind = resolved.get_str("DASHBOARD_BIND")
+        host = "localhost" if bind in ("127.0.0.1", "0.0.0.0") else bind
+        print(f"dashboard at http://{host}:{resolved.get('DASHBOARD_PORT')}", file=self.out)
+
+    def build_dashboard_image(self, project: Project, resolved: Resolved, image: str) -> None:
+        """BuildKit build of Dockerfile.dashboard (compose v1's classic builder cannot do secrets)."""
+        argv = ["env", "DOCKER_BUILDKIT=1", resolved.get_str("DOCKER"), "build", "-f",
+                "Dockerfile.dashboard", "-t", image,
+                "--build-arg", f"BASE_IMAGE={resolved.get('DASHBOARD_BASE_IMAGE')}"]
+        if CA_BUNDLE.is_file():
+            argv += ["--secret", f"id=pip_cert,src={CA_BUNDLE}"]
+        result = self.runner.run([*argv, "."], cwd=project.root, capture=False, timeout=1800)
+        if not result.ok:
+            raise ComposeError(
+                f"building the dashboard image {image} failed (see the build output above)",
+                "BuildKit is needed: set DOCKER=/usr/bin/docker in .env if your docker client lacks "
+                "buildx, or start the engine alone with --no-dashboard")
+
+    def dashboard_down(self) -> None:
+        if self.env_file.is_file():
+            self.runner.run(self.compose("--profile", "dashboard", "stop", DASHBOARD_SERVICE),
+                            timeout=120)
+            self.runner.run(self.compose("--profile", "dashboard", "rm", "-f", DASHBOARD_SERVICE),
+                            timeout=120)
+
+    def log_command(self, *, tail: int, follow: bool, service: str) -> list[str] | None:
+        return self.compose("--profile", "dashboard", "logs", "--tail", str(tail),
+                            *(["-f"] if follow else []), service)
+
+    def exec_command(self, command: Sequence[str], *, tty: bool) -> list[str]:
+        return self.compose("exec", *([] if tty else ["-T"]), ENGINE_SERVICE, "sh", "-c",
+                            EXEC_PREFIX, "sh", *command)
+
+
+def _relative(path: Path, root: Path) -> str:
+    try:
+        return str(path.relative_to(root))
+    except ValueError:
+        return str(path)

@@ -19,8 +19,12 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from vllmstack.config.profiles import Resolved
+from vllmstack.core.errors import StackError
+from vllmstack.core.files import write_json
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner
+from vllmstack.runtime.native.procs import ProcTable
+from vllmstack.runtime.native.records import read_record
 
 ENGINES = ("vllm",)
 MANIFEST = "vllmstack-engine.json"
@@ -34,16 +38,8 @@ WHEEL = re.compile(r"^(?P<name>[^-]+)-(?P<version>[^-]+)(-\d[^-]*)?-(?P<py>[^-]+
                    r"(?P<plat>[^-]+)\.whl$")
 
 
-class EngineInstallError(Exception):
+class EngineInstallError(StackError):
     """The engine cannot be installed as asked; `fix` says what to do instead."""
-
-    def __init__(self, cause: str, fix: str | None = None) -> None:
-        super().__init__(cause)
-        self.cause = cause
-        self.fix = fix
-
-    def render(self) -> str:
-        return f"error: {self.cause}" + (f"\nfix:   {self.fix}" if self.fix else "")
 
 
 def engine_version(resolved: Resolved) -> str:
@@ -186,8 +182,6 @@ def pick_engine_wheel(wheels: Path, version: str, python: tuple[int, int]) -> Wh
 
 def check_not_in_use(project: Project, folder: Path) -> None:
     """Refuse to replace the environment a running native engine was started from."""
-    from vllmstack.runtime.native.engine import ProcTable, read_record
-
     record = read_record(project)
     if record is None or not record.argv:
         return
@@ -304,10 +298,7 @@ def write_manifest(folder: Path, report: InstallReport, wheel: Wheel | None) -> 
         "installed_at": time.strftime("%Y-%m-%d %H:%M:%S"),
         "packages": report.packages,
     }
-    path = folder / MANIFEST
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(path)
+    write_json(folder / MANIFEST, data)
 
 
 def render_install(report: InstallReport, project: Project) -> str:

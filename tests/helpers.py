@@ -1,0 +1,91 @@
+"""Helpers shared by the tests and the benchmarks: one copy of each.
+
+Tests import them as `helpers` (pytest puts tests/ on sys.path for the rootdir conftest); a
+benchmark puts the repository root and tests/ on sys.path first:
+
+    ROOT = Path(__file__).resolve().parents[1]
+    sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+    from helpers import free_port
+
+Standard library only, and nothing from pytest, so a benchmark runs without the test extras.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+from collections.abc import Mapping
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Debian's client has BuildKit built in; a newer client first on PATH may lack buildx.
+DOCKER = "/usr/bin/docker" if Path("/usr/bin/docker").exists() else (shutil.which("docker")
+                                                                      or "docker")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+# --- Docker -------------------------------------------------------------------------------------
+
+
+def docker(*args: str, timeout: float = 60, env: Mapping[str, str] | None = None
+           ) -> subprocess.CompletedProcess[str]:
+    """`docker ARGS` with BuildKit on, output captured; never raises on a non-zero exit.
+
+    `env` replaces the whole environment (for a sealed build); default: this one."""
+    run_env = dict(env) if env is not None else dict(os.environ, DOCKER_BUILDKIT="1")
+    return subprocess.run([DOCKER, *args], capture_output=True, text=True, timeout=timeout,
+                          check=False, env=run_env)
+
+
+def docker_ready(*images: str, env: Mapping[str, str] | None = None) -> bool:
+    """The Docker engine answers and every one of `images` is present locally (`env` as for
+    `docker`).
+
+    scripts/test-env.sh starts the engine and builds the local images (the Debian base and the
+    engine simulator); a test or benchmark that needs one checks here first."""
+    try:
+        return (docker("info", timeout=20, env=env).returncode == 0
+                and all(docker("image", "inspect", image, timeout=20, env=env).returncode == 0
+                        for image in images))
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+# --- throwaway projects -------------------------------------------------------------------------
+
+# What a throwaway project needs to resolve profiles and run invoke; the package and the
+# dashboard's build files only for tests that build the dashboard image.
+PROJECT_DIRS = ("env", "chat-templates", "fp8_configs", "fused_moe_configs", "patches")
+PROJECT_FILES = ("tasks.py", ".env.example", "compose.yaml")
+PACKAGE_PARTS = ("vllmstack", "pyproject.toml", "Dockerfile.dashboard",
+                 "Dockerfile.dashboard.dockerignore")
+
+
+def copy_project(dest: Path, *, with_package: bool = False) -> Path:
+    """A copy of the shipped project at `dest` (created) that `invoke` can run in."""
+    dest.mkdir(parents=True, exist_ok=True)
+    names = PROJECT_DIRS + PROJECT_FILES + (PACKAGE_PARTS if with_package else ())
+    for name in names:
+        src = ROOT / name
+        if src.is_dir():
+            shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+        elif src.is_file():
+            shutil.copy(src, dest / name)
+    return dest
+
+
+def write_dotenv(root: Path, settings: dict[str, str]) -> None:
+    """`.env` = `.env.example` with `settings` replacing (never duplicating) its lines."""
+    lines = [line for line in (ROOT / ".env.example").read_text().splitlines()
+             if line.split("=", 1)[0] not in settings]
+    (root / ".env").write_text("\n".join([*lines, *(f"{k}={v}" for k, v in settings.items())]) + "\n")

@@ -1,0 +1,184 @@
+"""Upstream sources: bare git mirrors of the pinned repositories, and sdist-made repositories.
+
+`GitTool` keeps one bare mirror per repository under .cache/mirrors (branches and tags only)
+and resolves refs in it; `sdist_repo` makes a git repository from a PyPI sdist where the git
+host is out of reach (CI, benchmarks). vllmstack.image.patches verifies patches against both.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+import tarfile
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from vllmstack.core.errors import StackError
+from vllmstack.core.paths import Project
+from vllmstack.core.runner import Runner
+
+
+class SourceError(StackError, ValueError):
+    """An upstream source (a repository, a ref, an sdist) cannot be reached or read."""
+
+
+# --- mirrors ---------------------------------------------------------------------------------
+
+def is_url(repo: str) -> bool:
+    return "://" in repo or bool(re.match(r"^[\w.-]+@[\w.-]+:", repo))
+
+
+def mirror_path(cache: Path, repo: str) -> Path:
+    """One bare mirror per repository: a readable name plus a hash of the exact URL or path."""
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", repo.rstrip("/").split("/")[-1].removesuffix(".git"))
+    key = hashlib.sha256(repo.encode()).hexdigest()[:10]
+    return cache / "mirrors" / f"{slug or 'repo'}-{key}.git"
+
+
+@dataclass
+class GitTool:
+    """Git through the stack's runner; mirrors live in `cache`."""
+
+    runner: Runner
+    cache: Path
+    environ: Mapping[str, str]
+
+    @property
+    def env(self) -> dict[str, str]:
+        # Never wait for a password prompt: a private URL without credentials fails fast.
+        return {**self.environ, "GIT_TERMINAL_PROMPT": "0", "LC_ALL": "C"}
+
+    def git(self, git_dir: Path, *args: str, timeout: float | None = None) -> tuple[bool, str]:
+        # Mirror upkeep only fills the stack's cache, so it runs under --dry-run too.
+        result = self.runner.run(["git", f"--git-dir={git_dir}", *args], env=self.env,
+                                 timeout=timeout, mutates=False)
+        return result.ok, (result.stdout if result.ok else result.stderr).strip()
+
+    def ensure_mirror(self, repo: str) -> Path:
+        path = mirror_path(self.cache, repo)
+        if (path / "HEAD").is_file():
+            return path
+        partial = path.with_name(path.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        init = self.runner.run(["git", "init", "--bare", "--quiet", str(partial)], env=self.env,
+                               mutates=False)
+        if not init.ok:
+            raise SourceError(f"cannot create a mirror in {partial}: {init.stderr.strip()}",
+                              f"make {partial.parent} writable (it is only a cache)")
+        # Branches and tags only: a GitHub mirror of refs/* would also pull every PR head.
+        steps = [
+            ("config", "remote.origin.url", repo),
+            ("config", "--replace-all", "remote.origin.fetch", "+refs/heads/*:refs/heads/*"),
+            ("config", "--add", "remote.origin.fetch", "+refs/tags/*:refs/tags/*"),
+            ("fetch", "--prune", "--quiet", "origin"),
+        ]
+        for step in steps:
+            ok, out = self.git(partial, *step)
+            if not ok:
+                raise SourceError(f"cannot mirror {repo}: git {step[0]} failed: {out[-400:]}",
+                                  "check the repository's URL and the network; a private one needs "
+                                  "credentials git can use without a prompt")
+        # Only a complete mirror gets the real name, so an interrupted clone is redone.
+        partial.rename(path)
+        return path
+
+    def resolve(self, mirror: Path, repo: str, ref: str) -> tuple[str, str]:
+        """(commit, note). Tags and commits found locally are used as is; branches are refreshed."""
+        is_branch = self.git(mirror, "show-ref", "--verify", "--quiet", f"refs/heads/{ref}")[0]
+        ok, sha = self.git(mirror, "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}")
+        if ok and sha and not is_branch:
+            return sha, ""
+        fetched, error = self.git(mirror, "fetch", "--prune", "--quiet", "origin")
+        ok, sha = self.git(mirror, "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}")
+        if not (ok and sha) and re.fullmatch(r"[0-9a-f]{40}", ref):
+            # A commit that no branch or tag holds (a pull request's head, say).
+            self.git(mirror, "fetch", "--quiet", "origin", ref)
+            ok, sha = self.git(mirror, "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}")
+        if ok and sha:
+            note = "" if fetched else f"could not refresh the mirror ({error[-200:]}); used its copy"
+            return sha, note
+        raise SourceError(f"ref {ref!r} is not a tag, branch or commit of {repo}"
+                          + ("" if fetched else f" (fetch failed: {error[-200:]})"),
+                          "pin a tag, branch or commit the repository has")
+
+
+def local_repo(project: Project, repo: str) -> Path:
+    """A repository given as a path (relative to the project), resolved; it must exist."""
+    path = Path(repo).expanduser()
+    if not path.is_absolute():
+        path = project.root / path
+    if not path.exists():
+        raise SourceError(f"repository {repo} does not exist (a URL, or a path to a git repository)")
+    return path.resolve()
+
+
+# --- a vLLM source repository from the PyPI sdist (tests, benchmark) ---------------------------
+
+SIMPLE_INDEX = "https://pypi.org/simple/{name}/"
+
+
+def sdist_repo(cache: Path, runner: Runner, *, name: str = "vllm", version: str,
+               environ: Mapping[str, str]) -> Path:
+    """A git repository of `name`'s sdist at `version`, tagged v<version>, cached under `cache`.
+
+    The sdist carries the source tree of the release, so it stands in for the
+    upstream repository where the git host is out of reach (CI, benchmarks).
+    """
+    repo = cache / "sources" / f"{name}-{version}"
+    tag = f"v{version}"
+    env = {**environ, "GIT_AUTHOR_NAME": "sdist", "GIT_AUTHOR_EMAIL": "sdist@localhost",
+           "GIT_COMMITTER_NAME": "sdist", "GIT_COMMITTER_EMAIL": "sdist@localhost",
+           "GIT_AUTHOR_DATE": "2000-01-01T00:00:00Z", "GIT_COMMITTER_DATE": "2000-01-01T00:00:00Z"}
+    if runner.run(["git", "-C", str(repo), "rev-parse", "--verify", "--quiet", tag],
+                  env=env, mutates=False).ok:
+        return repo
+    archive = download_sdist(cache / "sdist", name, version)
+    building = repo.with_name(repo.name + ".partial")
+    shutil.rmtree(building, ignore_errors=True)
+    building.mkdir(parents=True)
+    with tarfile.open(archive) as tar:
+        top = f"{name}-{version}/"
+        members = [m for m in tar.getmembers() if m.name.startswith(top) and m.isreg()]
+        for member in members:
+            member.name = member.name[len(top):]
+        tar.extractall(building, members=members, filter="data")
+    for argv in (["git", "init", "--quiet"], ["git", "add", "--all", "--force"],
+                 ["git", "commit", "--quiet", "--no-verify", "-m", f"{name} {version} (sdist)"],
+                 ["git", "tag", tag]):
+        runner.run(argv, cwd=building, env=env, check=True)
+    building.rename(repo)
+    return repo
+
+
+def download_sdist(folder: Path, name: str, version: str) -> Path:
+    """Fetch <name>-<version>.tar.gz via PyPI's JSON simple index, checking its sha256."""
+    target = folder / f"{name}-{version}.tar.gz"
+    if target.is_file():
+        return target
+    request = urllib.request.Request(SIMPLE_INDEX.format(name=name),
+                                     headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    with urllib.request.urlopen(request, timeout=60) as answer:
+        listing = json.load(answer)
+    files = [f for f in listing.get("files", []) if f.get("filename") == target.name]
+    if not files:
+        raise SourceError(f"PyPI has no {target.name}",
+                          f"use a version PyPI has: https://pypi.org/project/{name}/#history")
+    folder.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".partial")
+    digest = hashlib.sha256()
+    with urllib.request.urlopen(files[0]["url"], timeout=600) as answer, partial.open("wb") as out:
+        while chunk := answer.read(1 << 20):
+            digest.update(chunk)
+            out.write(chunk)
+    expected = files[0].get("hashes", {}).get("sha256")
+    if expected and digest.hexdigest() != expected:
+        partial.unlink()
+        raise SourceError(f"{target.name}: sha256 {digest.hexdigest()} is not PyPI's {expected}",
+                          "run it again: the damaged download was not kept")
+    partial.rename(target)
+    return target

@@ -1,0 +1,178 @@
+"""The per-profile Compose files, rendered as data into the git-ignored generated/ folder.
+
+compose.yaml holds the static services; everything that depends on the profile (the engine
+command, its environment, GPU devices, overlay and tuned-config mounts, host paths and ids) is
+rendered here (yaml.safe_dump of dicts, never string concatenation), which is what compose runs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from vllmstack.config.profiles import Resolved
+from vllmstack.config.schema import Schema, load_schema
+from vllmstack.config.vllm_args import ServeCommand
+from vllmstack.core.paths import Project
+from vllmstack.image import patches
+from vllmstack.runtime.engine_env import FP8_CONFIG_DIR, HostIds, StackPaths, engine_environment
+
+ENGINE_SERVICE = "vllm"
+DASHBOARD_SERVICE = "dashboard"
+# Where a vllmstack-built image exposes the installed vLLM package (a symlink made in the
+# runtime stage, recorded as this label), so mounts never hard-code a Python version.
+PACKAGE_LABEL = "vllmstack.vllm-package"
+
+
+def _escape(value: str) -> str:
+    """Compose interpolates $ in every string of a compose file; the rendered values are literal."""
+    return value.replace("$", "$$")
+
+
+@dataclass
+class Rendered:
+    folder: Path
+    override: Path
+    env_file: Path
+    argv_file: Path
+    notes: list[str] = field(default_factory=list)
+
+
+def build_override(
+    project: Project,
+    resolved: Resolved,
+    command: ServeCommand,
+    *,
+    runtime: str,
+    ids: HostIds,
+    paths: StackPaths,
+    package_dir: str | None,
+    schema: Schema | None = None,
+) -> tuple[dict[str, Any], list[str]]:
+    """The per-profile compose override as a dict, and notes on what was left out and why."""
+    schema = schema or load_schema()
+    notes: list[str] = []
+    # The images' entrypoint is `vllm serve`; the command is everything after it.
+    service: dict[str, Any] = {
+        "command": [_escape(a) for a in command.argv[2:]],
+        "environment": {k: _escape(v) for k, v in engine_environment(resolved, schema).items()},
+        "labels": {
+            "vllmstack.profile": resolved.profile,
+            "vllmstack.platform": resolved.platform,
+            "vllmstack.argv": _escape(json.dumps(command.argv)),
+        },
+    }
+    volumes: list[str] = []
+    vendor = resolved.get("GPU_VENDOR")
+    if vendor == "amd":
+        service["devices"] = ["/dev/kfd", "/dev/dri"]
+        groups = [str(g) for g in (ids.video_gid, ids.render_gid) if g is not None]
+        service["group_add"] = groups or ["video"]
+        # SELinux hosts would otherwise need the device nodes relabelled.
+        service["security_opt"] = ["label=disable"]
+    elif vendor == "nvidia":
+        if runtime == "podman":
+            service["devices"] = ["nvidia.com/gpu=all"]
+        else:
+            service["deploy"] = {"resources": {"reservations": {"devices": [
+                {"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}]}}}
+    if paths.models_dir is not None:
+        volumes.append(f"{paths.models_dir}:{paths.models_dir}:ro")
+    if package_dir:
+        volumes += _overlay_mounts(project, package_dir, notes)
+        device = resolved.get("GPU_DEVICE_NAME") or ""
+        for path in sorted((project.root / "fp8_configs").glob("*.json")):
+            if device and f"device_name={device}," in path.name:
+                volumes.append(f"{path}:{package_dir}/{FP8_CONFIG_DIR}/{path.name}:ro")
+    else:
+        notes.append("the engine image has no vllmstack.vllm-package label (not a vllmstack build): "
+                     "runtime overlays and fp8 tuned configs are not mounted")
+    if volumes:
+        service["volumes"] = [_escape(v) for v in volumes]
+    return {"services": {ENGINE_SERVICE: service,
+                         DASHBOARD_SERVICE: dashboard_service(resolved, paths)}}, notes
+
+
+def dashboard_service(resolved: Resolved, paths: StackPaths) -> dict[str, Any]:
+    """The dashboard's per-profile part: where the engine is, how exposed it is, what runs use."""
+    bind = resolved.get_str("DASHBOARD_BIND")
+    service: dict[str, Any] = {
+        "command": ["python", "-m", "vllmstack.dashboard", "--host", "0.0.0.0", "--port", "3000",
+                    # The app sees 0.0.0.0; what users reach is the host address it is published on.
+                    "--exposure", bind,
+                    "--engine-url", f"http://{ENGINE_SERVICE}:{resolved.get_int('VLLM_PORT')}",
+                    "--history-dir", "/app/benchmarks"],
+        "environment": {
+            "VLLM_TOKENIZER": _escape(resolved.get("VLLM_TOKENIZER") or resolved.get("VLLM_MODEL") or ""),
+            "VLLM_MAX_NUM_SEQS": resolved.get("VLLM_MAX_NUM_SEQS") or "",
+        },
+    }
+    if paths.models_dir is not None:
+        service["volumes"] = [f"{paths.models_dir}:{paths.models_dir}:ro"]
+    return service
+
+
+def _overlay_mounts(project: Project, package_dir: str, notes: list[str]) -> list[str]:
+    mounts = []
+    for overlay in patches.load_overlays(project):
+        target = overlay.target.removeprefix("vllm/")
+        mounts.append(f"{Path(overlay.file).resolve()}:{package_dir}/{target}:ro")
+        notes.append(f"overlay {overlay.name} -> {overlay.target} (locked to {overlay.ref})")
+    return mounts
+
+
+def interpolation_env(resolved: Resolved, ids: HostIds, paths: StackPaths) -> dict[str, str]:
+    """Variables compose.yaml interpolates. Prefixed so that no .env can satisfy them: a bare
+    `docker compose up` must fail and say to use invoke."""
+    return {
+        "VLLMSTACK_VLLM_IMAGE": resolved.get("VLLM_IMAGE") or "",
+        "VLLMSTACK_DASHBOARD_IMAGE": resolved.get("DASHBOARD_IMAGE") or "",
+        "VLLMSTACK_USER_UID": str(ids.uid),
+        "VLLMSTACK_USER_GID": str(ids.gid),
+        "VLLMSTACK_VLLM_BIND": resolved.get_str("VLLM_BIND"),
+        "VLLMSTACK_VLLM_PORT": resolved.get_str("VLLM_PORT"),
+        "VLLMSTACK_DASHBOARD_BIND": resolved.get_str("DASHBOARD_BIND"),
+        "VLLMSTACK_DASHBOARD_PORT": resolved.get_str("DASHBOARD_PORT"),
+        "VLLMSTACK_DASHBOARD_TOKEN": resolved.get_str("DASHBOARD_TOKEN"),
+        "VLLMSTACK_HF_CACHE_DIR": str(paths.hf_cache),
+        "VLLMSTACK_ENGINE_CACHE_DIR": str(paths.engine_cache),
+    }
+
+
+def write_rendered(
+    project: Project,
+    resolved: Resolved,
+    command: ServeCommand,
+    override: dict[str, Any],
+    env: dict[str, str],
+    notes: list[str],
+) -> Rendered:
+    """Write generated/ so a run can be read and reproduced by hand."""
+    folder = project.generated
+    folder.mkdir(parents=True, exist_ok=True)
+    header = (f"# Rendered by `invoke up` for profile {resolved.profile} on {resolved.platform}.\n"
+              "# Do not edit: change env/ or .env and run invoke again.\n")
+    override_path = folder / "compose.override.yaml"
+    override_path.write_text(header + yaml.safe_dump(override, sort_keys=False, width=1000))
+    env_path = folder / "compose.env"
+    env_path.write_text(header + "".join(f"{k}={_dotenv_quote(v)}\n" for k, v in env.items()))
+    argv_path = folder / "vllm-argv.txt"
+    argv_path.write_text(command.shell() + "\n")
+    resolved_path = folder / "resolved.env"
+    resolved_path.write_text(header + "".join(
+        f"# {s.source}\n{k}={_dotenv_quote(s.value)}\n" for k, s in sorted(resolved.values.items())))
+    return Rendered(folder, override_path, env_path, argv_path, notes)
+
+
+def _dotenv_quote(value: str) -> str:
+    if value and all(c.isalnum() or c in "._-/:,+@" for c in value):
+        return value
+    return "'" + value.replace("'", "'\\''") + "'"
+
+
+def compose_files(project: Project) -> list[Path]:
+    return [project.root / "compose.yaml", project.generated / "compose.override.yaml"]

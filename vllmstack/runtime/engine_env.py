@@ -1,0 +1,141 @@
+"""What both runtimes give the engine: host folders for the caches, host ids, the environment.
+
+The Compose runtime mounts these folders into the container; the native runtime points the
+engine's cache variables at them (per engine version). Either way the engine runs as the
+invoking user, so caches are created user-owned before anything else could create them.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from vllmstack.config.profiles import Resolved
+from vllmstack.config.schema import Schema, is_engine_env_name
+from vllmstack.core.errors import StackError
+from vllmstack.core.paths import home_dir
+
+FP8_CONFIG_DIR = "model_executor/layers/quantization/utils/configs"
+ENGINE_CACHE_SUBDIRS = ("home", "vllm", "triton", "torchinductor", "aiter/jit")
+
+
+class CacheDirError(StackError):
+    """A cache folder cannot be created, handed to the engine's user or deleted."""
+
+
+@dataclass
+class HostIds:
+    uid: int
+    gid: int
+    render_gid: int | None
+    video_gid: int | None
+
+
+def detect_host_ids(resolved: Resolved, root: Path = Path("/")) -> HostIds:
+    """The engine runs as the invoking user; device groups are read from the device nodes."""
+
+    def setting(key: str) -> int | None:
+        raw = resolved.get(key)
+        return int(raw) if raw and raw.strip().isdigit() else None
+
+    def gid_of(path: str) -> int | None:
+        try:
+            return (root / path.lstrip("/")).stat().st_gid
+        except OSError:
+            return None
+
+    render = setting("RENDER_GID")
+    if render is None:
+        nodes = sorted((root / "dev/dri").glob("renderD*")) if (root / "dev/dri").is_dir() else []
+        render = nodes[0].stat().st_gid if nodes else None
+    uid, gid = setting("USER_UID"), setting("USER_GID")
+    return HostIds(
+        uid=uid if uid is not None else os.getuid(),
+        gid=gid if gid is not None else os.getgid(),
+        render_gid=render,
+        video_gid=setting("VIDEO_GID") or gid_of("/dev/kfd"),
+    )
+
+
+@dataclass
+class StackPaths:
+    hf_cache: Path
+    engine_cache: Path
+    models_dir: Path | None
+
+
+def stack_paths(resolved: Resolved, environ: Mapping[str, str]) -> StackPaths:
+    home = home_dir(environ)
+    cache = Path(resolved.get("HOST_CACHE_DIR") or home / ".cache").expanduser()
+    hf = Path(resolved.get("HF_CACHE_DIR") or cache / "huggingface").expanduser()
+    models = resolved.get("MODELS_DIR")
+    return StackPaths(hf, cache / "vllmstack-engine", Path(models).expanduser() if models else None)
+
+
+def ensure_cache_dirs(paths: StackPaths, ids: HostIds, *, dry_run: bool) -> list[str]:
+    """Create the mounted cache folders user-owned before compose does (it would make them root's).
+
+    Returns what was done, one line each. Raises CacheDirError with the exact fix when a folder
+    belongs to someone else and we cannot change that.
+    """
+    done: list[str] = []
+    folders = [paths.hf_cache, paths.engine_cache,
+               *(paths.engine_cache / sub for sub in ENGINE_CACHE_SUBDIRS)]
+    for folder in folders:
+        if not folder.exists():
+            done.append(f"mkdir -p {shlex.quote(str(folder))}")
+            if not dry_run:
+                folder.mkdir(parents=True, exist_ok=True)
+                if os.geteuid() == 0:
+                    os.chown(folder, ids.uid, ids.gid)
+            continue
+        owner = folder.stat().st_uid
+        if owner != ids.uid:
+            if os.geteuid() == 0 and not dry_run:
+                os.chown(folder, ids.uid, ids.gid)
+                done.append(f"chown {ids.uid}:{ids.gid} {folder}")
+            elif os.geteuid() != 0:
+                raise CacheDirError(
+                    f"{folder} belongs to uid {owner}, but the engine runs as uid {ids.uid} and "
+                    f"could not write its caches. Fix once: sudo chown -R {ids.uid}:{ids.gid} {folder}")
+    return done
+
+
+def clear_engine_caches(paths: StackPaths, *, dry_run: bool) -> list[str]:
+    """Delete the engine's compile and JIT caches (never the Hugging Face cache); one line each."""
+    done = []
+    for sub in ("vllm", "triton", "torchinductor", "aiter", "home", "native"):
+        folder = paths.engine_cache / sub
+        if not folder.exists():
+            continue
+        done.append(f"rm -rf {shlex.quote(str(folder))}")
+        if not dry_run:
+            try:
+                shutil.rmtree(folder)
+            except PermissionError as exc:
+                raise CacheDirError(f"cannot delete {exc.filename}: it belongs to another user. "
+                                   f"Fix once: sudo rm -rf {folder}") from exc
+    return done
+
+
+def engine_environment(resolved: Resolved, schema: Schema) -> dict[str, str]:
+    """What the engine process sees: container-env keys, plus unknown engine-looking keys."""
+    env: dict[str, str] = {}
+    for key, setting in sorted(resolved.values.items()):
+        if key == "ENGINE_ENV":
+            continue
+        spec = schema.get(key)
+        passes = spec.becomes == "container-env" if spec else is_engine_env_name(key)
+        # An empty value is "unset" (an empty HSA override or device list would hide GPUs;
+        # `invoke check` reports the HSA case as an error).
+        if passes and setting.value != "":
+            env[key] = setting.value
+    for word in shlex.split(resolved.get_str("ENGINE_ENV")):
+        key, sep, value = word.partition("=")
+        if sep and key:
+            env[key] = value
+    return env

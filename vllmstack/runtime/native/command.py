@@ -1,0 +1,98 @@
+"""The native engine's command: the argv and environment the container would get, with host paths."""
+
+from __future__ import annotations
+
+import os
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vllmstack.config.profiles import Resolved
+from vllmstack.config.schema import load_schema
+from vllmstack.config.vllm_args import ArgvError, build_serve_argv
+from vllmstack.core.paths import Project
+from vllmstack.image import patches
+from vllmstack.runtime.engine_env import FP8_CONFIG_DIR, engine_environment, stack_paths
+from vllmstack.runtime.native import install
+from vllmstack.runtime.native.procs import NativeError
+
+
+@dataclass
+class NativeCommand:
+    argv: list[str]
+    env: dict[str, str]  # set on top of the caller's environment
+    version: str
+    venv: Path | None  # the install-engine environment, when that is what runs
+    cache_dirs: list[Path] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def shell(self) -> str:
+        return shlex.join(["env", *(f"{k}={v}" for k, v in sorted(self.env.items())), *self.argv])
+
+
+def native_serve_command(project: Project, resolved: Resolved,
+                         environ: Mapping[str, str]) -> NativeCommand:
+    """The argv and environment of the native engine: the container's, with host paths."""
+    version = install.engine_version(resolved)
+    try:
+        # The container binds 0.0.0.0 and publishes VLLM_BIND; a host process binds it itself.
+        serve = build_serve_argv(resolved, host=resolved.get_str("VLLM_BIND"),
+                                 chat_template_dir=str((project.root / "chat-templates").resolve()))
+    except ArgvError as exc:
+        raise NativeError(str(exc), "fix the value named above (`invoke check` shows them all)") from exc
+    try:
+        prefix = shlex.split(resolved.get_str("NATIVE_ENGINE_COMMAND"))
+    except ValueError as exc:
+        raise NativeError(f"NATIVE_ENGINE_COMMAND is not valid shell words ({exc}) at "
+                          f"{resolved.source('NATIVE_ENGINE_COMMAND')}", "fix its quoting") from exc
+    venv: Path | None = None
+    if not prefix:
+        if not version:
+            raise NativeError("no engine version for the native runtime",
+                              "set VLLM_VERSION (or NATIVE_ENGINE_VERSION) in .env")
+        venv = install.engine_dir(project, version)
+        prefix = [str(venv / "bin" / "vllm")]
+    paths = stack_paths(resolved, environ)
+    # Compile caches per engine version: a host venv has other torch/Triton/AITER builds than the
+    # image, and AITER's JIT modules are not keyed by version. Models are shared with containers.
+    cache = paths.engine_cache / "native" / f"vllm-{version or 'custom'}"
+    cache_dirs = [paths.hf_cache, cache / "vllm", cache / "triton", cache / "torchinductor",
+                  cache / "aiter" / "jit"]
+    env = {
+        "HF_HOME": str(paths.hf_cache),
+        "VLLM_CACHE_ROOT": str(cache / "vllm"),
+        "TRITON_CACHE_DIR": str(cache / "triton"),
+        "TORCHINDUCTOR_CACHE_DIR": str(cache / "torchinductor"),
+        "AITER_JIT_DIR": str(cache / "aiter" / "jit"),
+        "VLLM_TUNED_CONFIG_FOLDER": str((project.root / "fused_moe_configs").resolve()),
+        # User-site packages (~/.local) would shadow the environment's own.
+        "PYTHONNOUSERSITE": "1",
+    }
+    if venv is not None:
+        env["VIRTUAL_ENV"] = str(venv)
+        # vLLM and torch start helpers (ninja, the compiler driver) by name.
+        env["PATH"] = f"{venv / 'bin'}{os.pathsep}{environ.get('PATH') or os.defpath}"
+    env.update(engine_environment(resolved, load_schema()))
+    notes = _unapplied_files(project, resolved, FP8_CONFIG_DIR)
+    return NativeCommand([*prefix, *serve.argv[1:]], env, version, venv, cache_dirs, notes)
+
+
+def _unapplied_files(project: Project, resolved: Resolved, fp8_dir: str) -> list[str]:
+    """What containers get mounted into vLLM's package that a host process cannot get."""
+    notes = []
+    try:
+        overlays = patches.load_overlays(project)
+    except patches.PatchError:
+        overlays = []  # `invoke check` reports the malformed manifest
+    for overlay in overlays:
+        notes.append(f"overlay {overlay.name} ({overlay.target}) is not applied: the native runtime runs "
+                     "the installed vLLM as it is (install a build that contains it)")
+    device = resolved.get("GPU_DEVICE_NAME") or ""
+    tuned = [p for p in sorted((project.root / "fp8_configs").glob("*.json"))
+             if device and f"device_name={device}," in p.name]
+    if tuned:
+        notes.append(f"{len(tuned)} tuned fp8 GEMM config(s) for {device} are not applied natively "
+                     f"(containers mount them into vllm/{fp8_dir})")
+    return notes
+

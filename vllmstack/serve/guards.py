@@ -1,0 +1,110 @@
+"""Guards before `up` and the memory check after `down`: devices, other engines, free GPU memory."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TextIO
+
+from vllmstack.config.profiles import Resolved
+from vllmstack.observe.health import identify_server, port_answers
+from vllmstack.runtime.gpu import GIB, GpuMemory, GpuProbe, total_used
+from vllmstack.serve.stack import LifecycleError
+
+# After `down`, the GPUs count as released when used memory is back within this of the baseline.
+RELEASE_SLACK = 1 * GIB
+
+
+@dataclass
+class Guard:
+    code: str
+    message: str
+    fix: str
+    overridable: bool = True
+
+
+def required_bytes_per_gpu(resolved: Resolved, gpu: GpuMemory) -> int:
+    """What vLLM itself demands free at start: ceil(total × gpu_memory_utilization)."""
+    util = resolved.get_float("VLLM_GPU_MEM_UTIL")
+    return int(gpu.total_bytes * util) + 1
+
+
+def check_guards(
+    resolved: Resolved,
+    probe: GpuProbe,
+    *,
+    own_engine_running: bool,
+    port_probe: Callable[[str, int], bool] = port_answers,
+    identify: Callable[[str], str] = identify_server,
+) -> list[Guard]:
+    """Everything that must hold before starting: devices, no other engine, enough free memory."""
+    guards: list[Guard] = []
+    vendor = resolved.get_str("GPU_VENDOR")
+    missing = probe.missing_devices()
+    if missing:
+        what = ", ".join(missing)
+        fix = ("run on the GPU host with the amdgpu driver loaded (ls /dev/kfd), or use "
+               "--platform cpu for a CPU engine" if vendor == "amd" else
+               "install the NVIDIA driver and container toolkit, or use --platform cpu")
+        guards.append(Guard("no-gpu-devices",
+                            f"no {what} found: platform {resolved.platform} needs "
+                            f"{'an AMD' if vendor == 'amd' else 'an NVIDIA'} GPU and this host does "
+                            "not expose one", fix, overridable=False))
+        return guards
+    ports = [int(p) for p in resolved.get_list("OTHER_ENGINE_PORTS") if p.isdigit()]
+    own_port = resolved.get_int("VLLM_PORT")
+    if not own_engine_running:
+        ports = [own_port, *[p for p in ports if p != own_port]]
+    for port in ports:
+        if port_probe("127.0.0.1", port):
+            who = identify(f"http://127.0.0.1:{port}")
+            clash = " (the port this stack publishes)" if port == own_port else ""
+            guards.append(Guard(
+                "other-engine", f"port {port}{clash} is taken by {who}: another engine may hold "
+                "the GPU, and two resident engines overcommit memory",
+                f"stop it first (e.g. systemctl stop the router / llama-server), or remove {port} from "
+                "OTHER_ENGINE_PORTS if it is not an engine"))
+    memory = probe.memory()
+    tp = resolved.get_int("VLLM_TP")
+    if memory and vendor != "none":
+        for gpu in memory[:tp]:
+            need = required_bytes_per_gpu(resolved, gpu)
+            if gpu.free_bytes < need:
+                guards.append(Guard(
+                    "gpu-memory-busy",
+                    f"GPU{gpu.index}: {gpu.free_bytes / GIB:.1f} GiB free of {gpu.total_bytes / GIB:.1f}"
+                    f" GiB, but gpu_memory_utilization {resolved.get('VLLM_GPU_MEM_UTIL')} needs "
+                    f"{need / GIB:.1f} GiB free at start ({gpu.used_bytes / GIB:.1f} GiB in use by "
+                    "something else)",
+                    "stop the other GPU user, or lower VLLM_GPU_MEM_UTIL (--set VLLM_GPU_MEM_UTIL=...)"))
+    return guards
+
+
+def print_guards(guards: list[Guard], force: bool, out: TextIO) -> None:
+    blocking = [g for g in guards if not g.overridable or not force]
+    for guard in guards:
+        if guard.overridable and force:
+            print(f"WARNING --force: ignoring guard {guard.code}: {guard.message}", file=out)
+    if blocking:
+        first = blocking[0]
+        raise LifecycleError(first.message, first.fix + ("" if not first.overridable else
+                                                          " (or --force to start anyway)"),
+                             details=[f"guard {g.code}: {g.message}" for g in blocking[1:]])
+
+
+def wait_gpu_release(probe: GpuProbe, baseline: int | None, timeout: float,
+                     sleep: Callable[[float], None] = time.sleep,
+                     clock: Callable[[], float] = time.monotonic) -> tuple[bool, int | None]:
+    """Wait until used GPU memory is back near `baseline`. Returns (released, used_now)."""
+    start = clock()
+    while True:
+        used = total_used(probe.memory())
+        if used is None:
+            return True, None
+        limit = (baseline or 0) + RELEASE_SLACK
+        if used <= limit:
+            return True, used
+        if clock() - start > timeout:
+            return False, used
+        sleep(1.0)
