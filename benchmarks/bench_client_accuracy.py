@@ -87,7 +87,9 @@ async def single_stream(url: str, tokenizer: Any, *, pp: int, tg: int, runs: int
             measured = result.ttft_s * 1000
             ttft_err.append(measured - truth)
             ttft_vs_server.append(measured - (after[0] - before[0]) * 1000)
-            pp_rates.append(session.overhead.pp_rate(result.prompt_tokens, result.ttft_s) or 0)
+            overhead = session.overhead  # the per-run two-point rate (session.pp_estimate's input)
+            pp_rates.append((result.prompt_tokens - overhead.prompt_tokens)
+                            / (result.ttft_s - overhead.ttft_s))
             tg_rates.append(result.decode_tps or 0.0)
             itl.extend(result.itl_samples_s())
             sources.add(result.token_source)

@@ -34,8 +34,10 @@ from pathlib import Path
 
 NAME = re.compile(r"^(\d+)-[A-Za-z0-9][A-Za-z0-9._+-]*\.patch$")
 HEADER_FIELDS = ("Subject", "Why", "Upstream", "Made-for", "Drop-when")
-# Files a patch folder may hold besides patches: notes and the runtime-overlay manifest.
+# What a patch folder may hold besides patches: notes, the runtime-overlay manifest and the
+# folder of overlay files (overlays are mounted at run time, never applied by the build).
 ALLOWED_FILES = re.compile(r"^(README.*|.*\.md|overlays\.toml)$")
+ALLOWED_DIRS = ("overlays",)
 HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+\d+(?:,\d+)? @@(.*)$")
 # What git says when a hunk's context is not found: "error: patch failed: PATH:LINE".
 HUNK_FAILED = re.compile(r"patch failed: (.+):(\d+)$")
@@ -94,29 +96,42 @@ class Outcome:
 
 # --- reading a patch folder ----------------------------------------------------------
 
-def load_patch_set(folder: Path) -> list[Patch]:
-    """Patches of a folder in application order; naming or header problems are kept per patch."""
-    if not folder.exists():
-        return []
+def discover(folder: Path) -> tuple[list[Path], list[str]]:
+    """The patches of `folder` in application order, and every entry that is neither a patch
+    nor allowed beside one (its strays; a folder's name ends in /).
+
+    The one definition of what a patch folder holds: the image build runs it here, and
+    `invoke verify-patches` and the image's patch-set label import it from this file.
+    """
     if not folder.is_dir():
-        raise PatchToolError(f"{folder} is not a folder")
-    patches: list[Patch] = []
+        raise PatchToolError(f"{folder} is not a folder" if folder.exists() else
+                             f"the patch folder {folder} does not exist")
+    patches: list[Path] = []
     strays: list[str] = []
     for entry in sorted(folder.iterdir()):
-        if entry.is_dir() or ALLOWED_FILES.match(entry.name):
+        if entry.is_dir():
+            if entry.name not in ALLOWED_DIRS:
+                strays.append(entry.name + "/")
+        elif ALLOWED_FILES.match(entry.name):
             continue
-        match = NAME.match(entry.name)
-        if not match:
+        elif entry.is_file() and NAME.match(entry.name):
+            patches.append(entry)
+        else:
             strays.append(entry.name)
-            continue
-        patches.append(read_patch(entry, int(match.group(1))))
+    patches.sort(key=lambda p: (int(p.name.split("-", 1)[0]), p.name))
+    return patches, strays
+
+
+def load_patch_set(folder: Path) -> list[Patch]:
+    """Patches of a folder in application order; naming or header problems are kept per patch."""
+    paths, strays = discover(folder)
     if strays:
-        # A file the build would not apply must not sit there looking applied.
+        # Something the build would not apply must not sit there looking applied.
         raise PatchToolError(
-            f"{folder}: {', '.join(strays)}: not a patch name the build applies; "
-            "name patches NNNN-topic.patch (NNNN sets the order), or move the file out"
+            f"{folder}: {', '.join(strays)}: not a patch the build applies; name patches "
+            "NNNN-topic.patch (NNNN sets the order; notes may be *.md), or move it out"
         )
-    patches.sort(key=lambda p: (p.number, p.name))
+    patches = [read_patch(path, int(path.name.split("-", 1)[0])) for path in paths]
     by_number: dict[int, str] = {}
     for patch in patches:
         if patch.number in by_number:

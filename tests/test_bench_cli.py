@@ -56,8 +56,11 @@ def test_bench_json_contract_and_history(sim: SimProcess, tokenizer_file: Path,
     assert [(r["pp"], r["tg"]) for r in data["results"]] == [(256, 16), (512, 16)]
     for row in data["results"]:
         assert isinstance(row["depth"], int) and isinstance(row["concurrency"], int)
-        for key in ("ttft_ms", "pp_tps", "tg_tps", "itl_ms"):
+        for key in ("ttft_ms", "tg_tps", "itl_ms"):
             assert set(row[key]) >= STAT_KEYS, key
+        # pp is one estimate with its uncertainty and interval (or null with a note)
+        assert set(row["pp_tps"]) >= {"mean", "std", "min", "max"}
+        assert row["pp_note"] is None and row["pp_uncertainty_ms"] >= 0
     stored = history.read_records(tmp_path / "benchmarks" / "bench_history.jsonl")
     assert len(stored) == 1 and stored[0]["id"] == data["id"]
 

@@ -1,4 +1,5 @@
-"""The stream parser and the per-request measurements, fed with vLLM-shaped SSE bytes."""
+"""The stream parser and the per-request measurements, fed with vLLM-shaped SSE bytes, and with
+the shapes bad servers send instead."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from vllmstack.bench.client import RequestResult, _StreamState, chat_body, normalize_base_url
+from vllmstack.bench.client import chat_body, normalize_base_url
+from vllmstack.bench.stream import RequestResult, StreamState, check_against_request
 
 HEAD = '"id":"chatcmpl-8d8a","object":"chat.completion.chunk","created":1795968669,"model":"tiny"'
 # Shapes copied from vLLM 0.27.1 (reference capture): the role chunk carries content "", then
@@ -37,7 +39,7 @@ def feed(events: list[tuple[float, str]], *, tokenizer: Any = None,
          split: int | None = None) -> RequestResult:
     """Feed (time, event line) pairs; `split` cuts every event's bytes into pieces that size."""
     result = RequestResult(t_sent=0.0)
-    state = _StreamState(result)
+    state = StreamState(result)
     for t, line in events:
         data = (line + "\n\n").encode()
         if split:
@@ -109,17 +111,20 @@ def test_token_ids_win_over_usage() -> None:
     assert r.chunk_tokens == [1, 2]
 
 
-def test_no_usage_counts_with_the_tokenizer_never_with_chunks() -> None:
-    class Words:
-        def encode(self, text: str, add_special_tokens: bool = False) -> Any:
-            return type("E", (), {"ids": text.split()})()
+class Words:
+    """A tokenizer with one token per word (the `tokenizers` encode() shape)."""
 
+    def encode(self, text: str, add_special_tokens: bool = False) -> Any:
+        return type("E", (), {"ids": text.split()})()
+
+
+def test_no_usage_counts_with_the_tokenizer_never_with_chunks() -> None:
     events = [(0.0, ROLE), (0.1, token("one two", "content")),
               (0.2, token(" three four", "content")), (0.2, "data: [DONE]")]
     r = feed(events, tokenizer=Words())
     assert r.token_source == "tokenizer"
     assert r.tokens == 4
-    assert r.chunk_tokens == [1, 3]
+    assert r.chunk_tokens == [2, 2]  # the first chunk's own text says it held two
     r = feed(events)
     assert r.token_source == "none"
     assert r.chunk_tokens == []
@@ -160,7 +165,7 @@ def test_error_event_and_missing_done_are_failures() -> None:
     r = feed([(0.0, ROLE), (0.1, token("a", "content")), (0.2, err), (0.2, "data: [DONE]")])
     assert not r.ok and "EngineCore encountered an issue" in (r.error or "")
     result = RequestResult()
-    state = _StreamState(result)
+    state = StreamState(result)
     state.feed((ROLE + "\n\n").encode(), 0.1)
     state.finish(0.2)
     assert not state.done  # the client marks this "stream ended without [DONE]"
@@ -179,3 +184,111 @@ def test_base_url_normalisation() -> None:
     assert normalize_base_url("http://h:8000/v1/") == "http://h:8000"
     with pytest.raises(Exception, match="http"):
         normalize_base_url("h:8000")
+
+
+def test_first_chunk_of_several_tokens_is_counted_from_its_text() -> None:
+    # Only a final usage, 4 tokens per chunk from the first chunk on: 32 chunks, 128 tokens.
+    # Counting the first chunk as one token spreads 127 over 31 chunks and overstates decode
+    # by (k-1)/(N-k) = 3/124 = +2.4 %; its text, tokenized, says 4.
+    events = [(0.0, ROLE), (0.2, token("a b c d", "content"))]
+    t = 0.2
+    for _ in range(31):
+        t += 0.080
+        events.append((t, token(" w x y z", "content")))
+    events += [(t, final_usage(128)), (t, "data: [DONE]")]
+    exact = feed(events, tokenizer=Words())
+    assert exact.chunk_tokens == [4] * 32
+    assert exact.decode_tps == pytest.approx(124 / (31 * 0.080))  # 50 t/s, the server's rate
+    # A tokenizer that splits differently from the server (two per word) is scaled to the
+    # server's count: it only says how the tokens are shared out.
+    class Halves:
+        def encode(self, text: str, add_special_tokens: bool = False) -> Any:
+            return type("E", (), {"ids": [w for word in text.split() for w in (word, word)]})()
+
+    assert feed(events, tokenizer=Halves()).chunk_tokens == [4] * 32
+    blind = feed(events)  # no tokenizer loaded: one token assumed, the documented bias
+    assert blind.decode_tps == pytest.approx(127 / (31 * 0.080))
+    assert blind.decode_tps / exact.decode_tps - 1 == pytest.approx(3 / 124)
+
+
+def test_textless_one_token_answer_is_timed_by_its_usage_chunk() -> None:
+    # vLLM with a reasoning parser: the only token was "</think>", stripped; the finish chunk has
+    # content "" and (with continuous usage) completion_tokens 1.
+    finish = token("", "content", finish="length", usage=1)
+    events = [(0.0, ROLE.replace('"finish_reason":null}]', '"finish_reason":null}],'
+                                 '"usage":{"prompt_tokens":26,"completion_tokens":0}')),
+              (0.030, finish), (0.031, final_usage(1)), (0.031, "data: [DONE]")]
+    r = feed(events)
+    assert r.ok and r.ttft_s == pytest.approx(0.030)
+    assert r.tokens == 1 and r.token_source == "usage-per-chunk"
+
+
+def test_textless_one_token_answer_with_only_a_final_usage() -> None:
+    events = [(0.0, ROLE), (0.030, token("", "content", finish="length")),
+              (0.032, final_usage(1)), (0.032, "data: [DONE]")]
+    r = feed(events)
+    assert r.ok and r.ttft_s == pytest.approx(0.032)  # the chunk that carries the count
+    assert r.tokens == 1 and r.token_source == "usage-final"
+    assert r.why == "ok"
+
+
+def test_no_token_at_all_says_why() -> None:
+    r = feed([(0.0, ROLE), (0.1, "data: [DONE]")])
+    assert r.ok and r.t_first_token is None
+    assert "no token arrived" in r.why
+
+
+@pytest.mark.parametrize(("event", "reason"), [
+    ('{"choices":"abc"}', "choices is a string 'abc', expected a list"),
+    ('{"choices":[5]}', "choices[0] is a number 5, expected an object"),
+    ('{"choices":[{"delta":"x"}]}', "choices[0].delta is a string 'x', expected an object"),
+    ('{"choices":[{"delta":{"content":7}}]}', "delta.content is a number 7, expected a string"),
+    ('{"choices":[],"usage":5}', "usage is a number 5, expected an object"),
+    ('{"choices":[],"usage":{"completion_tokens":"7"}}',
+     "usage.completion_tokens is a string '7', expected a whole number"),
+    ('{"choices":[],"usage":{"prompt_tokens":-3}}',
+     "usage.prompt_tokens is a number -3, expected a whole number"),
+    ('{"choices":[{"delta":{"tool_calls":{"a":1}}}]}', "delta.tool_calls is an object"),
+    ('{"choices":[{"delta":{"content":"a"},"token_ids":3}]}', "token_ids is a number 3"),
+    ('[1,2]', "stream event is a list [1, 2], expected a JSON object"),
+    ('{not json', "unparsable stream event"),
+])
+def test_wrong_shapes_are_a_request_error_with_the_reason(event: str, reason: str) -> None:
+    r = feed([(0.0, ROLE), (0.1, "data: " + event), (0.2, token("later", "content")),
+              (0.3, "data: [DONE]")])
+    assert not r.ok
+    assert reason in (r.error or "")
+    assert "later" not in r.content  # nothing after the bad event was taken in
+
+
+def test_counts_that_go_down_or_change_are_invalid() -> None:
+    down = feed([(0.0, ROLE), (0.1, token("a", "content", usage=3)),
+                 (0.2, token("b", "content", usage=2)), (0.3, "data: [DONE]")])
+    assert "usage.completion_tokens went down from 3 to 2" in (down.error or "")
+    final_lower = feed([(0.0, ROLE), (0.1, token("a", "content", usage=5)), (0.2, final_usage(4)),
+                        (0.3, "data: [DONE]")])
+    assert "went down from 5 to 4" in (final_lower.error or "")
+    prompt = token("b", "content", usage=2).replace('"prompt_tokens":26', '"prompt_tokens":30')
+    changed = feed([(0.0, ROLE), (0.1, token("a", "content", usage=1)), (0.2, prompt),
+                    (0.3, "data: [DONE]")])
+    assert "prompt_tokens changed mid-stream from 26 to 30" in (changed.error or "")
+
+
+def test_more_tokens_than_max_tokens_is_an_invalid_result() -> None:
+    r = feed([(0.0, ROLE), (0.1, token("a", "content", usage=1)),
+              (0.2, token("b c", "content", usage=9)), (0.3, "data: [DONE]")])
+    assert r.ok
+    check_against_request(r, chat_body("m", [], 8))
+    assert r.error == "invalid result: the server reported 9 completion tokens for max_tokens 8"
+    fine = feed([(0.0, ROLE), (0.1, token("a", "content", usage=8)), (0.3, "data: [DONE]")])
+    check_against_request(fine, chat_body("m", [], 8))
+    assert fine.ok
+
+
+def test_comments_and_other_fields_are_ignored_and_a_huge_event_is_linear() -> None:
+    text = "x" * 300_000
+    big = token(text, "content", usage=1)
+    events = [(0.0, ": keep-alive"), (0.0, ROLE), (0.05, "event: message\nid: 7\nretry: 10"),
+              (0.1, big), (0.1, "data: [DONE]")]
+    r = feed(events, split=7)  # ~43k reads for the big event; a re-join per read is quadratic
+    assert r.ok and r.content == text and r.tokens == 1

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from vllmstack.bench.client import RequestResult
 from vllmstack.bench.depth_runs import _cached_tokens
-from vllmstack.bench.session import Overhead
+from vllmstack.bench.session import Overhead, pp_estimate
 from vllmstack.observe.metrics import parse_metrics
 
 
@@ -25,8 +27,10 @@ def test_the_servers_own_per_request_count_wins() -> None:
     assert _cached_tokens(snapshot(0), snapshot(50_000), result) == 1088
 
 
-def test_pp_rate_is_never_negative_or_from_nothing() -> None:
+def test_pp_is_never_negative_or_from_nothing() -> None:
     overhead = Overhead(ttft_s=0.02, prompt_tokens=16)
-    assert overhead.pp_rate(-500, 0.1) is None
-    assert overhead.pp_rate(0, 0.1) is None
-    assert overhead.pp_rate(2016, 0.12) == 2000 / 0.1
+    assert pp_estimate(overhead, [(-500, 0.1)])["pp_tps"] is None
+    assert pp_estimate(overhead, [(0, 0.1)])["pp_tps"] is None
+    assert pp_estimate(None, [(2016, 0.12)])["pp_tps"] is None
+    one = pp_estimate(overhead, [(2016, 0.12)])["pp_tps"]
+    assert one["mean"] == pytest.approx(2000 / 0.1) and one["min"] == one["max"]

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 from collections.abc import Awaitable, Callable
 
 import pytest
 
-from vllmstack.bench.http import HTTPClient, HTTPError, HTTPTimeoutError
+from vllmstack.bench.http import HTTPClient, HTTPError, HTTPTimeoutError, _Protocol
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -123,18 +125,71 @@ def test_connection_cut_mid_body_and_refused_connection() -> None:
     serve(handler, test)
 
 
-def test_idle_timeout() -> None:
+def test_silent_server_times_out() -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
         await asyncio.sleep(5)
 
     async def test(url: str) -> None:
         client = HTTPClient(url, timeout_s=0.3)
-        with pytest.raises(HTTPTimeoutError, match=r"no data for 0\.3 s"):
+        with pytest.raises(HTTPTimeoutError, match=r"no complete response within 0\.3 s"):
             await client.get("/")
         await client.aclose()
 
     serve(handler, test)
+
+
+def test_trickling_server_cannot_extend_the_deadline() -> None:
+    # A byte every 50 ms keeps the connection busy forever; an idle timeout would never fire.
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        with contextlib.suppress(ConnectionError):
+            while True:
+                writer.write(b"1\r\n:\r\n")
+                await writer.drain()
+                await asyncio.sleep(0.05)
+
+    async def test(url: str) -> None:
+        client = HTTPClient(url, timeout_s=0.6)
+        started = time.monotonic()
+        got: list[bytes] = []
+        async with client.request("POST", "/x", b"{}") as response:
+            with pytest.raises(HTTPTimeoutError):
+                await response.stream(lambda data, now: got.append(data))
+        assert time.monotonic() - started < 1.5
+        assert len(got) >= 3  # bytes did arrive; they just cannot buy more time
+        await client.aclose()
+
+    serve(handler, test)
+
+
+def test_body_split_anywhere_is_parsed_the_same() -> None:
+    """Chunk framing cut at every possible point, including inside size lines and CRLFs."""
+    body = [b"data: " + bytes([65 + i % 26]) * (i * 37 % 300 + 1) + b"\n\n" for i in range(40)]
+    raw = chunked(*body)
+
+    async def main() -> None:
+        for step in (1, 2, 3, 5, 17, 4096):
+            protocol = _Protocol()
+            got: list[bytes] = []
+            protocol.sink = lambda data, now, got=got: got.append(data)
+            for i in range(0, len(raw), step):
+                protocol.data_received(raw[i:i + step])
+            assert protocol.complete, step
+            assert b"".join(got) == b"".join(body), step
+
+    asyncio.run(main())
+
+
+def test_malformed_chunk_size_is_an_error() -> None:
+    async def main() -> None:
+        protocol = _Protocol()
+        protocol.data_received(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n")
+        with pytest.raises(HTTPError, match="bad chunk size"):
+            protocol.body_future.result()
+
+    asyncio.run(main())
 
 
 def test_close_delimited_body() -> None:

@@ -54,3 +54,32 @@ def test_report_counts_unreadable_lines(tmp_path: Path) -> None:
     assert "## bench history (1 record)" in text
     assert "1 unreadable line(s) in bench_history.jsonl skipped: lines 2" in text
     assert charts == [tmp_path / "charts" / "bench.png"]
+
+
+def test_malformed_record_is_skipped_with_a_warning(tmp_path: Path) -> None:
+    path = history.history_path(tmp_path, "bench")
+    history.append_record(path, bench_record(50.0))
+    history.append_record(path, {"kind": "bench", "id": "bad-results", "results": 5})
+    history.append_record(path, {"kind": "bench", "id": "bad-stat",
+                                 "results": [{"pp": 1, "ttft_ms": {"mean": "fast"}}]})
+    history.append_record(path, bench_record(52.0))
+    depth = history.history_path(tmp_path, "depth")
+    history.append_record(depth, {"kind": "depth", "id": "no-depth", "results": [{"mode": "x"}]})
+    warnings: list[str] = []
+    text, charts = build_report(tmp_path, ["bench", "depth"], chart_dir=tmp_path / "charts",
+                                warn=warnings.append)
+    assert "## bench history (2 records)" in text
+    assert "50.00 ± 0.20" in text and "52.00 ± 0.20" in text
+    assert "2 malformed record(s) in bench_history.jsonl skipped" in text
+    assert any("bench record bad-results: TypeError: results is not a list" in w
+               for w in warnings)
+    assert any("bench record bad-stat: ValueError" in w for w in warnings)
+    assert any("depth record no-depth: KeyError" in w for w in warnings)
+    assert charts == [tmp_path / "charts" / "bench.png"]  # the good records still chart
+
+
+def test_pp_below_resolution_is_shown_as_such() -> None:
+    record = bench_record(50.0)
+    row = record["results"][0]  # type: ignore[index]
+    row.update(pp_tps=None, pp_note="below resolution")
+    assert "| below resolution |" in render_markdown("bench", [record])

@@ -297,3 +297,134 @@ def test_deep_check_says_when_vllms_parser_accepts_the_argv(
     assert "vllm-parser-ok" in [f.code for f in ok] and seen[0][:2] == ["vllm", "serve"]
     bad = checks.check_profile(project, resolved, {}, RecordingRunner(), deep=True)
     assert "vllm-parser-ok" not in [f.code for f in bad] and "vllm-unknown-flag" in errors(bad)
+
+
+# --- runtime-aware checks: container concerns are notes for the native runtime ---------------
+
+
+def test_container_concerns_are_info_for_the_native_runtime(project: Project, tmp_path: Path) -> None:
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    # A native run of another vLLM than the overlays were derived for.
+    resolved = resolve(project, overrides=[f"VLLM_MODEL={model}", "VLLM_REF=v0.27.1",
+                                           "VLLM_VERSION=0.27.1"])
+    native, _ = run_checks(project, resolved, {}, runtime="native")
+    assert errors(native) == []
+    for code in ("path-not-mounted", "overlay-ref-mismatch"):
+        note = by_code(native, code)
+        assert note.severity == "info" and "native runtime" in note.message
+    compose, _ = run_checks(project, resolved, {}, runtime="compose")
+    assert {"path-not-mounted", "overlay-ref-mismatch"} <= set(errors(compose))
+
+
+# --- NVIDIA (and AMD) platforms read the card ------------------------------------------------
+
+# Real output of `nvidia-smi --query-gpu=index,name,memory.total,memory.reserved
+# --format=csv,noheader,nounits` on the 2x H200 machine (2026-11-30); torch reported
+# 150109880320 bytes total per card there = (143771 - 616) MiB.
+NVIDIA_SMI_2XH200 = (Path(__file__).parent / "data" / "nvidia-smi-2xh200.csv").read_text()
+DETECT = ("nvidia-smi", "--query-gpu=index,name,memory.total,memory.reserved")
+
+
+def nvidia_runner(stdout: str = NVIDIA_SMI_2XH200, *, old_driver: bool = False) -> object:
+    from vllmstack.core.runner import RecordingRunner, Result
+
+    runner = RecordingRunner()
+    if old_driver:  # no memory.reserved field: nvidia-smi says so and exits 2
+        runner.respond(DETECT, Result((), 2, 'Field "memory.reserved" is not a valid field to '
+                                      "query.\n", ""))
+        runner.respond(("nvidia-smi", "--query-gpu=index,name,memory.total"),
+                       Result((), 0, "\n".join(",".join(line.split(",")[:3])
+                                                for line in stdout.splitlines()) + "\n", ""))
+    else:
+        runner.respond(DETECT, Result((), 0, stdout, ""))
+    return runner
+
+
+def detect(project: Project, *sets: str, platform: str = "2xnvidia", model: str = "qwen3.6-27b",
+           runner: object | None = None) -> tuple[list[Finding], object]:
+    resolved = resolve(project, model=model, platform=platform, overrides=list(sets))
+    findings, ctx = run_checks(project, resolved, {"HOME": "/nonexistent"},
+                               runner=runner or nvidia_runner())  # type: ignore[arg-type]
+    return findings, ctx
+
+
+def test_nvidia_platform_takes_memory_and_name_from_the_card(project: Project) -> None:
+    findings, ctx = detect(project)
+    note = by_code(findings, "gpu-detected")
+    assert note.severity == "info" and "2 × NVIDIA_H200 with 139.8 GiB" in note.message
+    assert "143771 MiB total - 616 MiB reserved" in note.message
+    assert "GPU_VRAM_GIB=139.80" in note.message and "GPU_DEVICE_NAME=NVIDIA_H200" in note.message
+    resolved = ctx.resolved  # type: ignore[attr-defined]
+    assert resolved.get("GPU_DEVICE_NAME") == "NVIDIA_H200"
+    assert resolved.source("GPU_VRAM_GIB") == "detected: nvidia-smi"
+    # The projection runs on the card's memory (the platform pins none): 139.8 × 0.95.
+    assert "139.8 GiB × 0.95 = 132.8 GiB usable per GPU" in by_code(findings, "memory-projection").message
+    assert errors(findings) == []
+    from vllmstack.checks.registry import render_report
+
+    assert "gpu-detected" in render_report(resolved, findings)  # shown without --verbose
+
+
+def test_an_older_driver_without_the_reserved_field_still_detects(project: Project) -> None:
+    findings, _ = detect(project, runner=nvidia_runner(old_driver=True))
+    assert "2 × NVIDIA_H200 with 140.4 GiB" in by_code(findings, "gpu-detected").message
+
+
+def test_two_gpu_platform_on_a_one_gpu_host_is_refused(project: Project) -> None:
+    one = NVIDIA_SMI_2XH200.splitlines()[0] + "\n"
+    findings, _ = detect(project, runner=nvidia_runner(one))
+    f = by_code(findings, "tp-over-detected-gpus")
+    assert f.severity == "error" and "sees 1 on this host" in f.message and f.key == "VLLM_TP"
+
+
+def test_pinned_values_that_contradict_the_card_are_named(project: Project) -> None:
+    findings, ctx = detect(project, "GPU_VRAM_GIB=31.36", "GPU_DEVICE_NAME=NVIDIA_GeForce_RTX_5090")
+    vram = by_code(findings, "gpu-vram-differs")
+    assert vram.severity == "warning" and "139.8 GiB" in vram.message and vram.source == "--set"
+    name = by_code(findings, "gpu-name-differs")
+    assert "NVIDIA_H200" in name.message and "NVIDIA_H200" in (name.fix or "")
+    assert ctx.resolved.get("GPU_VRAM_GIB") == "31.36"  # type: ignore[attr-defined]  # a pin wins
+
+
+def test_no_nvidia_smi_skips_the_projection_and_says_so(project: Project) -> None:
+    from vllmstack.core.runner import RecordingRunner, Result
+
+    runner = RecordingRunner()
+    runner.respond(("nvidia-smi",), Result((), 127, "", "nvidia-smi: command not found"))
+    findings, _ = detect(project, runner=runner)
+    assert by_code(findings, "gpu-not-detected").severity == "info"
+    assert "memory-projection" not in [f.code for f in findings]
+    # Without a runner (tests, the dashboard) nothing is run and nothing is said.
+    resolved = resolve(project, model="qwen3.6-27b", platform="2xnvidia")
+    quiet, _ = run_checks(project, resolved, {})
+    assert not {"gpu-detected", "gpu-not-detected"} & {f.code for f in quiet}
+
+
+def test_2xnvidia_is_the_nvidia_platform_with_two_gpus(project: Project) -> None:
+    resolved = resolve(project, model="qwen3.6-27b", platform="2xnvidia")
+    assert (resolved.get("GPU_VENDOR"), resolved.get("GPU_COUNT"), resolved.get("VLLM_TP"),
+            resolved.get("CUDA_VISIBLE_DEVICES")) == ("nvidia", "2", "2", "0,1")
+    assert resolved.get("GPU_VRAM_GIB") is None and resolved.get("GPU_DEVICE_NAME") is None
+
+
+def test_amd_cards_are_read_from_the_drivers_sysfs(tmp_path: Path) -> None:
+    from vllmstack.core.runner import RecordingRunner
+    from vllmstack.runtime.gpu import detect_cards
+
+    def card(n: int, vendor: str, device: str, vram: int) -> None:
+        folder = tmp_path / f"sys/class/drm/card{n}/device"
+        folder.mkdir(parents=True)
+        (folder / "vendor").write_text(vendor + "\n")
+        (folder / "device").write_text(device + "\n")
+        (folder / "mem_info_vram_total").write_text(str(vram))
+
+    card(0, "0x8086", "0xa780", 0)  # the board's Intel iGPU: not an AMD card
+    card(1, "0x1002", "0x7551", 34208743424)  # R9700: 31.86 GiB, as the platform pins it
+    card(2, "0x1002", "0x7551", 34208743424)
+    (tmp_path / "sys/class/drm/card1-DP-1").mkdir()  # a connector, not a card
+    found = detect_cards("amd", RecordingRunner(), root=tmp_path)
+    assert found is not None and found.source == "sysfs"
+    assert [(c.index, c.name, round(c.total_bytes / 1024**3, 2)) for c in found.cards] == [
+        (0, "AMD_Radeon_R9700", 31.86), (1, "AMD_Radeon_R9700", 31.86)]

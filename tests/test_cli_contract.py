@@ -75,9 +75,9 @@ def test_config_explain_json_names_each_source(cli_project: Project) -> None:
 ROOT = Path(__file__).resolve().parents[1]
 # `invoke --list` as users know it: the restructuring of issue 10 kept every task name.
 TASKS = ["bench", "bench-conc", "bench-depth", "build", "check", "clear-caches", "config",
-         "dashboard", "dashboard-down", "dashboard-up", "down", "exec", "import-env",
-         "install-engine", "logs", "probe", "profiles", "rebuild", "report", "stability",
-         "status", "test", "up", "verify-patches"]
+         "dashboard", "dashboard-down", "dashboard-up", "doctor", "down", "engines", "exec", "import-env",
+         "install-engine", "logs", "make-model", "probe", "profiles", "rebuild", "report",
+         "stability", "status", "test", "up", "verify-patches"]
 
 
 def load_tasks() -> Any:

@@ -319,6 +319,33 @@ def test_run_kind_and_options_are_validated(client: TestClient, fake_runs: FakeR
     assert fake_runs.calls == []
 
 
+@pytest.mark.parametrize(("body", "field"), [
+    ('{"runs": true}', "runs"),  # a boolean is not a count
+    ('{"pp": "512"}', "pp"),  # nor is text that looks like one
+    ('{"tg": 8.0}', "tg"),
+    ('{"duration": true}', "duration"),
+    ('{"duration": NaN}', "duration"),
+    ('{"duration": Infinity}', "duration"),
+    ('{"runs": 2, "run": 3}', "run"),  # an unknown field is named, not ignored
+    ('{"pp": 64, "extra_body": {"seed": 1}}', "extra_body"),
+])
+def test_run_options_are_strict(client: TestClient, fake_runs: FakeRuns, body: str,
+                                field: str) -> None:
+    r = client.post("/api/runs/bench", content=body,
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 422, r.text
+    assert any(field in e["loc"] for e in r.json()["detail"]), r.json()
+    assert fake_runs.calls == []
+
+
+def test_run_options_take_whole_seconds_for_duration(client: TestClient,
+                                                     fake_runs: FakeRuns) -> None:
+    fake_runs.seconds = 0.1
+    assert client.post("/api/runs/conc", json={"duration": 5, "pp": 64}).status_code == 202
+    assert fake_runs.calls == [("conc", {"duration": 5.0, "pp": 64})]
+    client.post("/api/runs/conc/cancel")
+
+
 def test_bench_command_argv(tmp_path: Path) -> None:
     build = bench_command(python="/py", engine_url="http://e:1", history_dir=tmp_path,
                           model=lambda: "tiny", tokenizer="/tok/tokenizer.json")

@@ -14,23 +14,22 @@ from conftest import need
 from helpers import docker, docker_ready
 from simulator.fixture import free_port, run_simulator
 
+from vllmstack.runtime import dashboard_image
+
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE_IMAGE = "vllmstack/base:bookworm"
 IMAGE = "vllmstack-test/dashboard:latest"
-CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 
 
 @pytest.fixture(scope="module")
-def image() -> str:
+def image(tmp_path_factory: pytest.TempPathFactory) -> str:
     need(docker_ready(BASE_IMAGE), f"Docker engine with {BASE_IMAGE} (scripts/test-env.sh builds it)")
-    args = ["build", "-f", "Dockerfile.dashboard", "--build-arg", f"BASE_IMAGE={BASE_IMAGE}",
-            "-t", IMAGE]
-    if CA_BUNDLE.is_file():
-        # A TLS-intercepting proxy needs the host's CA bundle for pip; elsewhere it is harmless.
-        args += ["--secret", f"id=pip_cert,src={CA_BUNDLE}"]
-    built = docker(*args, str(ROOT), timeout=900)
+    # The context `invoke up` assembles (with the host's CA bundle, for a TLS-intercepting proxy).
+    context = dashboard_image.build_context(ROOT, tmp_path_factory.mktemp("dashboard") / "context")
+    argv = dashboard_image.build_argv("docker", IMAGE, BASE_IMAGE, context)
+    built = docker(*argv[1:], timeout=900)
     assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
     return IMAGE
 

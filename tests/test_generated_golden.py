@@ -19,6 +19,7 @@ from helpers import copy_project
 
 from vllmstack.config.profiles import resolve
 from vllmstack.config.vllm_args import build_serve_argv
+from vllmstack.core.checkout import default_compose_project
 from vllmstack.core.paths import Project
 from vllmstack.runtime import compose_files, engine_env
 
@@ -41,8 +42,11 @@ def render_all(project: Project, pairs: list[str]) -> dict[str, Any]:
         env = compose_files.interpolation_env(resolved, IDS, paths)
         compose_files.write_rendered(project, resolved, command, override, env, notes)
         root = str(project.root)
+        # The default Compose project name is derived from the checkout's path, like <ROOT>.
+        checkout = default_compose_project(project.root)
         out[pair] = {
             "files": {p.name: p.read_text().replace(root, "<ROOT>")
+                      .replace(checkout, "vllmstack-<CHECKOUT>")
                       for p in sorted(project.generated.iterdir())},
             "notes": [n.replace(root, "<ROOT>") for n in notes],
         }

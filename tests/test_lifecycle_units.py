@@ -53,14 +53,14 @@ def test_max_model_len_and_unknown_flag_failures() -> None:
      "available memory, the estimated maximum model length is 148000.", "kv-too-small-for-max-len",
      "VLLM_MAX_MODEL_LEN=148000"),
     ("RuntimeError: HIP error: hipErrorNoBinaryForGpu", "missing-gfx-kernels",
-     "HSA_OVERRIDE_GFX_VERSION"),
+     "HSA_OVERRIDE_GFX_VERSION"),  # the AMD fix (these tests run as an AMD box)
     ("TimeoutError: Timed out waiting for engine core processes to start.", "engine-start-timeout",
      "VLLM_ENGINE_READY_TIMEOUT_S"),
 ])
 def test_known_signatures(line: str, code: str, in_fix: str) -> None:
     found = diagnosis.diagnose(["INFO something", line,
                                 "RuntimeError: Engine core initialization failed. See root cause "
-                                "above. Failed core proc(s): {}"])
+                                "above. Failed core proc(s): {}"], vendor="amd")
     assert found.code == code and in_fix in found.fix
 
 
@@ -224,6 +224,22 @@ def test_healthy_returns_elapsed_time_and_progress_names_the_phase() -> None:
     assert "capturing graphs" in out.getvalue()
 
 
+def test_engine_log_lines_shown_by_up_mask_the_api_key() -> None:
+    # vLLM logs its non-default args, an --api-key among them; neither the progress line nor the
+    # error's log tail and diagnosis may print it.
+    key = "sk-local-7f3e9a"
+    booting = [f"(APIServer pid=1) INFO non-default args: {{'api_key': ['{key}'], 'model': 'm'}}"]
+    out = io.StringIO()
+    engine = FakeEngine([RUNNING, RUNNING, EngineState(True, False, "exited", 0, 1)],
+                        [*booting, f"ValueError: bad key {key}"])
+    with pytest.raises(lifecycle.LifecycleError) as err:
+        watch.wait_until_healthy(engine, "http://x", 600, watch.Progress(out, False),
+                                 health=lambda url: None, clock=Clock(), sleep=lambda s: None,
+                                 secrets=[key])
+    shown = out.getvalue() + err.value.render()
+    assert key not in shown and "***" in shown
+
+
 # --- compose rendering and detection --------------------------------------------------------------
 
 
@@ -307,7 +323,7 @@ def test_runtime_detection_order_and_override() -> None:
     assert compose.detect_compose(RecordingRunner(), "docker").runtime == "compose"
     assert compose.detect_compose(RecordingRunner(), "docker", "podman").engine == "podman"
     failing = RecordingRunner()
-    for base in (["docker", "compose"], ["docker-compose"], ["podman", "compose"]):
+    for base in (["docker", "compose"], ["docker-compose"], ["podman-compose"], ["podman", "compose"]):
         failing.respond([*base, "version"], Result((), 127, "", "not found"))
     with pytest.raises(compose.ComposeError, match="no working compose"):
         compose.detect_compose(failing, "docker")
@@ -412,3 +428,220 @@ def test_clear_caches_keeps_models_and_refuses_while_running(project: Project, t
     lifecycle.clear_caches(stack)
     assert not (paths.engine_cache / "triton").exists()
     assert (paths.hf_cache / "model.safetensors").exists()
+
+
+# --- the optional dashboard never fails `up` (issue 12 item 11, issue 16 item 5) -------------
+
+
+@dataclass
+class DashboardEngine(FakeEngine):
+    """An engine whose dashboard side-car fails until `dashboard_error` is cleared."""
+
+    dashboard_error: Exception | None = None
+    dashboard_starts: int = 0
+
+    def prepare(self, command: object, *, dry_run: bool) -> list[str]:
+        return []
+
+    def dashboard_up(self) -> None:
+        self.dashboard_starts += 1
+        if self.dashboard_error is not None:
+            raise self.dashboard_error
+
+
+def test_up_succeeds_when_the_dashboard_fails_and_the_next_up_starts_it(
+    project: Project, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from helpers import free_port
+
+    resolved = resolve(project, platform="cpu", model="qwen3-0.6b",
+                       overrides=["OTHER_ENGINE_PORTS=", f"VLLM_PORT={free_port()}"])
+    failure = compose.ComposeError(
+        "building the dashboard image localhost/vllmstack-dashboard:latest failed (exit 1)",
+        "check that DASHBOARD_BASE_IMAGE has python3 with venv and pip")
+    engine = DashboardEngine([EngineState(False, False, "missing")], [], dashboard_error=failure)
+    out = io.StringIO()
+    stack = lifecycle.Stack(project, resolved, {}, RecordingRunner(), engine, FakeProbe(), out)
+    monkeypatch.setattr(lifecycle, "wait_until_healthy", lambda *a, **k: 12.5)
+    monkeypatch.setattr(lifecycle, "warm_up", lambda url, name: 0.2)
+    monkeypatch.setattr(lifecycle, "health_status", lambda url: 200)
+    result = lifecycle.up(stack)  # no exception: the engine is up
+    assert result.boot_seconds == 12.5 and engine.dashboard_starts == 1
+    text = out.getvalue()
+    assert "warning: the engine is up, but the dashboard did not start: building the dashboard" in text
+    assert "invoke dashboard-up" in text and "invoke dashboard" in text
+    assert any(n.startswith("dashboard not started") for n in result.notes)
+    # The same `up` again: the engine is left alone, the dashboard is started this time.
+    engine.states = [EngineState(True, True, "running")]
+    engine.dashboard_error = None
+    out.truncate(0)
+    again = lifecycle.up(stack)
+    assert "already running" in again.notes and engine.dashboard_starts == 2
+    assert "nothing to do for the engine" in out.getvalue() and "warning" not in out.getvalue()
+    lifecycle.up(stack, dashboard=False)  # --no-dashboard: not even tried
+    assert engine.dashboard_starts == 2
+
+
+def test_the_dashboard_image_builds_without_buildkit_from_its_own_context(project: Project) -> None:
+    import shutil
+
+    from helpers import ROOT
+
+    for name in ("Dockerfile.dashboard", "pyproject.toml"):
+        shutil.copy2(ROOT / name, project.root / name)
+    shutil.copytree(ROOT / "vllmstack", project.root / "vllmstack")
+    runner = RecordingRunner()
+    runner.respond(["docker", "image", "inspect"], Result((), 1, "", "No such image"))
+    cli = compose.ComposeCli("compose-v1", ("docker-compose",), "docker")
+    env_file = project.generated / "compose.env"
+    env_file.parent.mkdir(parents=True, exist_ok=True)
+    env_file.write_text("")
+    resolved = resolve(project, platform="cpu", model="qwen3-0.6b")
+    engine = compose.ComposeEngine(cli, runner, "vllmstack", compose_files.compose_files(project),
+                                   env_file, project=project, resolved=resolved, out=io.StringIO())
+    engine.dashboard_up()
+    build = next(c for c in runner.calls if "build" in c)
+    context = project.generated / "dashboard-build"
+    # No DOCKER_BUILDKIT and no BuildKit-only flags: a client without buildx builds it too.
+    assert build[0] == "docker" and "env" not in build and "--secret" not in build
+    assert build[-1] == str(context) and (context / "Dockerfile").is_file()
+    assert (context / "vllmstack" / "__init__.py").is_file() and (context / "pyproject.toml").is_file()
+    assert not list(context.rglob("__pycache__"))
+    dockerfile = (context / "Dockerfile").read_text()
+    assert "--mount=" not in dockerfile and "# syntax" not in dockerfile
+    # The CA bundle stays in the build stage: the final stage copies only the venv.
+    final = dockerfile.rsplit("\nFROM ", 1)[1]
+    assert "pip-ca" not in final and "COPY --from=build /opt/venv /opt/venv" in final
+    assert runner.calls[-1][-4:] == ("up", "-d", "--no-deps", compose_files.DASHBOARD_SERVICE)
+
+
+# --- the native dashboard: a recorded host process, stopped by `down` (real processes) -------
+
+
+def native_resolved(project: Project, *sets: str) -> object:
+    from helpers import free_port
+
+    return resolve(project, platform="cpu", model="qwen3-0.6b",
+                   overrides=[f"DASHBOARD_PORT={free_port()}", *sets])
+
+
+@pytest.mark.slow  # a real dashboard process: about 3 s
+def test_native_dashboard_runs_recorded_answers_and_down_ends_it(project: Project) -> None:
+    import requests
+
+    from vllmstack.core.runner import SubprocessRunner
+    from vllmstack.runtime.native.dashboard import NativeDashboard
+    from vllmstack.runtime.native.engine import NativeEngine
+    from vllmstack.runtime.native.procs import ProcTable
+
+    resolved = native_resolved(project)
+    out = io.StringIO()
+    dashboard = NativeDashboard(project, SubprocessRunner(), dict(os.environ), out=out)
+    try:
+        dashboard.up(resolved, "http://127.0.0.1:9")
+        record = dashboard.running()
+        assert record is not None
+        port = resolved.get_int("DASHBOARD_PORT")  # type: ignore[attr-defined]
+        health = requests.get(f"http://127.0.0.1:{port}/api/health", timeout=5).json()
+        assert health["ok"] is True and health["engine_url"] == "http://127.0.0.1:9"
+        assert f"dashboard at http://localhost:{port} (native process, pid {record.pid}" in out.getvalue()
+        dashboard.up(resolved, "http://127.0.0.1:9")
+        assert "already running" in out.getvalue() and dashboard.running() == record
+        # `invoke down` (another process: a fresh engine object) ends it through its record.
+        down_out = io.StringIO()
+        NativeEngine(project, SubprocessRunner(), out=down_out).remove()
+        assert "stopped the native dashboard" in down_out.getvalue()
+        assert not ProcTable().is_alive(record) and not dashboard.record_path.exists()
+    finally:
+        dashboard.down(quiet=True)
+
+
+@pytest.mark.slow
+def test_native_dashboard_that_exits_at_once_says_why(project: Project) -> None:
+    from vllmstack.core.runner import SubprocessRunner
+    from vllmstack.runtime.native.dashboard import NativeDashboard
+    from vllmstack.runtime.native.procs import NativeError
+
+    # Reachable from other machines without a token: the dashboard itself refuses to start.
+    resolved = native_resolved(project, "DASHBOARD_BIND=0.0.0.0", "DASHBOARD_TOKEN=")
+    dashboard = NativeDashboard(project, SubprocessRunner(), dict(os.environ), out=io.StringIO())
+    with pytest.raises(NativeError, match=r"exited at once: error: the dashboard would listen on "
+                                          r"0\.0\.0\.0"):
+        dashboard.up(resolved, "http://127.0.0.1:9")
+    assert dashboard.record() is None
+
+
+# --- the host's fast checks as guards (issue 14 item 4: `up` runs doctor's fast subset) --------
+
+HOST = DATA / "host"
+
+
+def test_up_refuses_the_known_bad_amdgpu_dkms_unless_forced(project: Project) -> None:
+    from test_doctor import ALICE, recorded_host
+
+    resolved = resolve(project, platform="2xr9700", model="qwen3-0.6b",
+                       overrides=["OTHER_ENGINE_PORTS="])
+    root = HOST / "2xr9700-dkms"
+    guards = check_guards(resolved, AmdSysfsProbe(root), own_engine_running=False,
+                          port_probe=lambda h, p: False, host=recorded_host(root, ALICE))
+    assert [g.code for g in guards] == ["host-amdgpu-dkms"]
+    with pytest.raises(lifecycle.LifecycleError) as raised:
+        print_guards(guards, force=False, out=io.StringIO())
+    assert "amdgpu-dkms 6.16.13" in raised.value.cause
+    assert raised.value.fix and "amdgpu/31.20" in raised.value.fix and "--force" in raised.value.fix
+    out = io.StringIO()
+    print_guards(guards, force=True, out=out)  # --force: loud, not blocking
+    assert "WARNING --force: ignoring guard host-amdgpu-dkms" in out.getvalue()
+    # Without a host given, the probe's own sysfs root is read (no runner: no program runs).
+    probe_only = check_guards(resolved, AmdSysfsProbe(root), own_engine_running=False,
+                              port_probe=lambda h, p: False)
+    assert "host-amdgpu-dkms" in [g.code for g in probe_only]
+
+
+def test_up_refuses_gfx1151_without_the_cwsr_fix(project: Project) -> None:
+    from test_doctor import ALICE, recorded_host
+
+    resolved = resolve(project, platform="strix-halo", model="qwen3-0.6b",
+                       overrides=["OTHER_ENGINE_PORTS="])
+    root = HOST / "strix-halo-no-cwsr"
+    guards = check_guards(resolved, AmdSysfsProbe(root, unified_memory=True),
+                          own_engine_running=False, port_probe=lambda h, p: False,
+                          host=recorded_host(root, ALICE))
+    assert [g.code for g in guards] == ["host-cwsr"]
+    assert "6.18.4" in guards[0].fix and guards[0].overridable
+
+
+def test_device_access_guards_the_runtime_that_opens_devices_as_the_user(project: Project) -> None:
+    from test_doctor import ALICE_NO_GROUPS, recorded_host
+
+    root = HOST / "r9700-igpu"
+    for runtime, expected in (("native", ["host-devices"]), ("auto", [])):
+        resolved = resolve(project, platform="r9700", model="qwen3-0.6b",
+                           overrides=["OTHER_ENGINE_PORTS=", f"RUNTIME={runtime}"])
+        guards = check_guards(resolved, AmdSysfsProbe(root), own_engine_running=False,
+                              port_probe=lambda h, p: False,
+                              host=recorded_host(root, ALICE_NO_GROUPS))
+        assert [g.code for g in guards] == expected, runtime
+    assert "sudo usermod -aG render alice" in check_guards(
+        resolve(project, platform="r9700", model="qwen3-0.6b",
+                overrides=["OTHER_ENGINE_PORTS=", "RUNTIME=auto"]),
+        AmdSysfsProbe(root), own_engine_running=False, port_probe=lambda h, p: False,
+        host=recorded_host(root, ALICE_NO_GROUPS), runtime="native")[0].fix
+
+
+def test_nvidia_gpus_fewer_than_tensor_parallel_guard_up_and_fakes_add_none(project: Project) -> None:
+    from vllmstack.runtime.gpu import NvidiaSmiProbe
+
+    runner = RecordingRunner()
+    runner.respond(["nvidia-smi"], Result((), 0, (HOST / "tools/nvidia-smi-detect-2xh200.txt")
+                                          .read_text()))
+    resolved = resolve(project, platform="2xnvidia", model="qwen3-0.6b",
+                       overrides=["OTHER_ENGINE_PORTS=", "VLLM_TP=4"])
+    guards = check_guards(resolved, NvidiaSmiProbe(runner), own_engine_running=False,
+                          port_probe=lambda h, p: False)
+    assert [g.code for g in guards] == ["host-gpus"]
+    assert "VLLM_TP=4 needs 4 GPUs; 2 found" in guards[0].message
+    # A probe standing in for the host (every other test here) adds no host guard.
+    fake = check_guards(resolved, FakeProbe(), own_engine_running=False,
+                        port_probe=lambda h, p: False)
+    assert not [g for g in fake if g.code.startswith("host-")]

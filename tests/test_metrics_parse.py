@@ -190,3 +190,16 @@ def test_fetch_metrics_http_error_names_url_and_status(served: tuple[str, type[_
 def test_fetch_metrics_refused_names_url() -> None:
     with pytest.raises(MetricsError, match=r"cannot reach http://127.0.0.1:9/metrics"):
         fetch_metrics("http://127.0.0.1:9", timeout=0.5)
+
+
+def test_cache_layout_of_attention_only_captures(parse) -> None:  # type: ignore[no-untyped-def]
+    plain = parse(capture("after")).cache_layout
+    assert (plain.block_size, plain.mamba_cache_mode, plain.prefix_caching) == (16, "none", True)
+    assert not plain.hybrid and not plain.spec_decode
+    assert parse(capture("spec-decode")).cache_layout.spec_decode  # drafts counter exposed
+
+
+def test_cache_layout_without_cache_config_info() -> None:
+    layout = MetricsSnapshot({}).cache_layout
+    assert (layout.block_size, layout.mamba_cache_mode, layout.prefix_caching) == (None,) * 3
+    assert not layout.hybrid

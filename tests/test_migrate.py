@@ -52,3 +52,42 @@ def test_written_profile_resolves_and_nothing_is_overwritten(project: Project, t
     with pytest.raises(FileExistsError):
         migrate.write_profile(project, "imported", source, mappings)
     assert path.read_text() == before
+
+
+def test_values_are_written_so_the_resolver_reads_them_back_exactly(
+        project: Project, tmp_path: Path) -> None:
+    source = tmp_path / "old.env"
+    source.write_text("VLLM_EXTRA_ARGS=\"--override-generation-config '{\\\"top_k\\\": 20}'\"\n"
+                      "VLLM_SERVED_NAME='it is # not a comment'\n"
+                      "VLLM_MODEL=${MODELS_DIR}/m\n"
+                      "HF_TOKEN=hf_should_not_travel\n")
+    mappings = migrate.map_env_file(source)
+    by_key = {m.key: m for m in mappings}
+    assert by_key["HF_TOKEN"].target == "secret"
+    path = migrate.write_profile(project, "quoted", source, mappings)
+    assert "hf_should_not_travel" not in path.read_text()  # env/ is shared; .env keeps tokens
+    from vllmstack.config.profiles import read_env_file
+
+    written = {line.key: line.value for line in read_env_file(path, path.name)[0]}
+    for key in ("VLLM_EXTRA_ARGS", "VLLM_SERVED_NAME", "VLLM_MODEL"):
+        assert written[key] == by_key[key].value
+
+
+def test_a_value_no_quoting_can_carry_is_refused_before_writing(
+        project: Project, tmp_path: Path) -> None:
+    source = tmp_path / "old.env"
+    for line in ('VLLM_SERVED_NAME="a\\tb"\n', 'VLLM_SERVED_NAME="ends in \\\\"\n'):
+        source.write_text(line)  # a tab; a final backslash: no dotenv form reads either back
+        mappings = migrate.map_env_file(source)
+        with pytest.raises(migrate.ImportEnvError, match=r"VLLM_SERVED_NAME \(line 1"):
+            migrate.write_profile(project, "refused", source, mappings)
+        assert not (project.env_dir / "models" / "refused.env").exists()
+
+
+def test_a_file_with_unreadable_lines_is_not_imported_half(tmp_path: Path) -> None:
+    source = tmp_path / "old.env"
+    source.write_bytes(b"VLLM_MAX_NUM_SEQS=4\nVLLM_SERVED_NAME=caf\xe9\n")
+    with pytest.raises(migrate.ImportEnvError) as info:
+        migrate.map_env_file(source)
+    assert "nothing was imported" in info.value.cause
+    assert any("old.env:2" in line for line in info.value.details)

@@ -231,7 +231,7 @@ def test_header_and_name_problems_fail_the_patch(proj: Project, upstream: Upstre
     (folder / "fix.diff").write_text("x")
     vllm = verify(proj)["vllm"]
     assert isinstance(vllm, dict)
-    assert "fix.diff" in vllm["error"] and "NNNN-topic.patch" in vllm["error"]
+    assert "fix.diff" in vllm["error"] and "NNNN-topic.patch" in vllm["fix"]
 
 
 # --- refs as tag, branch and commit -------------------------------------------------------------
@@ -282,8 +282,13 @@ def test_component_without_patches_needs_no_repository(proj: Project) -> None:
     aiter = data["aiter"]
     assert isinstance(aiter, dict)
     assert aiter == {"repo": "https://github.com/ROCm/aiter.git", "ref": "v0.1.24.post1",
-                     "commit": "", "patches": [], "overlays": []}
+                     "commit": "", "patches": [], "overlays": [],
+                     "note": "patches/aiter holds no patches (notes only): nothing to verify"}
     assert not (proj.cache / "mirrors").exists()
+    # Not "clean" about patches it never saw: the verdict says there was nothing to check.
+    assert data["_failed"] is False
+    assert str(data["_text"]).splitlines()[-1] == (
+        "nothing to verify: no patch folder holds a patch or an overlay")
 
 
 def test_patches_flag_points_at_another_folder(proj: Project, upstream: Upstream,
@@ -495,9 +500,14 @@ def test_apply_refuses_a_change_the_source_already_has(tmp_path: Path, upstream:
     assert "already contains this change" in done.stderr
 
 
-def test_apply_with_an_empty_or_missing_folder_is_a_no_op(tmp_path: Path) -> None:
-    done = run_tool("apply", "--source", str(tmp_path), "--patches", str(tmp_path / "none"))
+def test_apply_with_an_empty_folder_is_a_no_op_and_a_missing_one_an_error(tmp_path: Path) -> None:
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "README.md").write_text("no patches yet\n")
+    done = run_tool("apply", "--source", str(tmp_path), "--patches", str(tmp_path / "notes"))
     assert done.returncode == 0 and "0 patches" in done.stdout
+    done = run_tool("apply", "--source", str(tmp_path), "--patches", str(tmp_path / "none"))
+    assert done.returncode == 2 and "0 patches" not in done.stdout
+    assert f"the patch folder {tmp_path / 'none'} does not exist" in done.stderr
 
 
 def test_verify_mode_json_shape(tmp_path: Path, upstream: Upstream) -> None:

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from vllmstack.config.profiles import ProfileError, read_env_file, resolve
+from vllmstack.config.profiles import ProfileError, layer_name_problem, read_env_file, resolve
 from vllmstack.core.paths import Project
 
 
@@ -100,3 +100,28 @@ def test_references_expand_from_settings_then_host(project: Project) -> None:
     assert r.get("VLLM_MODEL") == "/home/op/models/q"
     r = resolve(project, model="qwen3-0.6b", overrides=["VLLM_MODEL=${NOPE}/x"], environ={})
     assert ("undefined-reference", "VLLM_MODEL") in codes(r)
+
+
+def test_crlf_files_read_like_lf_files_and_lines_keep_their_numbers(tmp_path: Path) -> None:
+    path = tmp_path / "x.env"
+    path.write_bytes(b"A=1\r\nB='two words'\r\n\r\nC=3\r\n")
+    lines, problems = read_env_file(path, "x.env")
+    assert not problems
+    assert [(line.key, line.value, line.line) for line in lines] == [
+        ("A", "1", 1), ("B", "two words", 2), ("C", "3", 4)]
+
+
+def test_a_line_that_is_not_utf8_is_dropped_with_a_finding_and_the_rest_kept(tmp_path: Path) -> None:
+    path = tmp_path / "x.env"
+    path.write_bytes(b"A=1\nB=caf\xe9\nC=3\n")
+    lines, problems = read_env_file(path, "x.env")
+    assert [(line.key, line.line) for line in lines] == [("A", 1), ("C", 3)]
+    assert [(p.code, p.source) for p in problems] == [("not-utf8", "x.env:2")]
+    assert "column 6" in problems[0].message and problems[0].fix
+
+
+def test_layer_names_are_plain_names_below_env() -> None:
+    for good in ("qwen3-0.6b", "families/qwen3.6", "features/rocm-common"):
+        assert layer_name_problem(good) is None
+    for bad in ("../x", "/etc/x", "a/../../x", "a//b", "x y", ".hidden", "a\\b", "x\n"):
+        assert layer_name_problem(bad) is not None, bad

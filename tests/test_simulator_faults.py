@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.client
+import json
 import signal
 import time
 
@@ -187,3 +188,99 @@ def test_tool_truncation_drops_partial_arguments_only_when_not_streaming() -> No
     assert plain == "" and streamed != "" and finish == stream_finish == "length"
     assert full_plain == full_streamed == '{"query": "sim", "limit": 1}'
     assert full_finish == "tool_calls"
+
+
+# -- bad-server faults and shapes the benchmark client must survive -------------------------------
+
+def test_keepalive_fault_sends_comments_forever_and_frees_the_slot() -> None:
+    env = {**FAST, "SIM_FAULT": "keepalive", "SIM_KEEPALIVE_MS": "50"}
+    with run_simulator(env=env, argv=["--max-num-seqs", "1"]) as sim:
+        conn = http.client.HTTPConnection("127.0.0.1", sim.port, timeout=5)
+        conn.request("POST", "/v1/chat/completions",
+                     body=json.dumps({**chat_body(4), "stream": True}).encode(),
+                     headers={"content-type": "application/json"})
+        response = conn.getresponse()
+        lines = [response.readline() for _ in range(8)]
+        conn.close()  # the client gives up; the server must notice and free the one slot
+        assert lines[0].startswith(b"data: ") and b'"role":"assistant"' in lines[0]
+        assert lines.count(b": ping\n") >= 3
+        assert not any(b"[DONE]" in line for line in lines)
+        wait_until(lambda: 'num_requests_running{engine="0",model_name="sim"} 0.0'
+                   in call(sim.url, "/metrics").body.decode(), 5, "the slot to be freed")
+
+
+def test_trickle_fault_sends_a_stream_one_byte_at_a_time() -> None:
+    env = {**FAST, "SIM_FAULT": "trickle", "SIM_TRICKLE_MS": "1"}
+    with run_simulator(env=env) as sim:
+        conn = http.client.HTTPConnection("127.0.0.1", sim.port, timeout=30)
+        conn.request("POST", "/v1/chat/completions",
+                     body=json.dumps({**chat_body(2), "stream": True}).encode(),
+                     headers={"content-type": "application/json"})
+        response = conn.getresponse()
+        assert response.getheader("transfer-encoding") == "chunked"
+        sizes = []
+        while True:
+            size_line = response.fp.readline()
+            size = int(size_line, 16)
+            if size == 0:
+                break
+            sizes.append(size)
+            response.fp.read(size + 2)
+        conn.close()
+    assert len(sizes) > 300 and set(sizes) == {1}  # every byte its own chunk
+
+
+def test_html_wrong_types_and_overcount_faults() -> None:
+    with run_simulator(env={**FAST, "SIM_FAULT": "html-page"}) as sim:
+        reply = call(sim.url, "/v1/chat/completions", chat_body(4))
+        assert reply.status == 200 and reply.headers["content-type"].startswith("text/html")
+        assert b"<title>Sign in - Example Proxy</title>" in reply.body
+        assert call(sim.url, "/v1/models").status == 200  # only generation is behind the page
+    with run_simulator(env={**FAST, "SIM_FAULT": "wrong-types"}) as sim:
+        assert call(sim.url, "/v1/chat/completions", chat_body(4)).json()["choices"] == "abc"
+        chunks = stream(sim.url, "/v1/chat/completions", chat_body(2)).events()
+        assert [c.get("usage") for c in chunks[1:3]] == [5, 5]
+    with run_simulator(env={**FAST, "SIM_FAULT": "usage-overcount"}) as sim:
+        usage = call(sim.url, "/v1/chat/completions", chat_body(4)).json()["usage"]
+        assert usage["completion_tokens"] == 8
+
+
+def test_textless_tokens_count_in_usage_but_send_no_text() -> None:
+    env = {**FAST, "SIM_TEXTLESS_TOKENS": "1"}
+    options = {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with run_simulator(env=env) as sim:
+        one = stream(sim.url, "/v1/chat/completions", chat_body(1, **options)).events()
+        # role chunk, then one finish chunk with no text but usage 1 (vLLM sends an empty
+        # DeltaMessage when the parser swallowed the token), then the usage chunk
+        assert one[1]["choices"][0]["delta"] == {}
+        assert one[1]["choices"][0]["finish_reason"] == "length"
+        assert one[1]["usage"]["completion_tokens"] == 1
+        several = stream(sim.url, "/v1/chat/completions", chat_body(4, **options)).events()
+        token_chunks = [c for c in several[1:] if c["choices"]]
+        assert token_chunks[0]["usage"]["completion_tokens"] == 2  # the silent one + the next
+
+
+def test_hybrid_cache_reports_its_mode_and_resumes_only_at_saved_states() -> None:
+    env = {**FAST, "SIM_MAMBA_CACHE_MODE": "align"}
+    argv = ["--block-size", "16", "--speculative-config",
+            '{"method": "mtp", "num_speculative_tokens": 2}']
+    words = " ".join(f"w{i}" for i in range(100))  # about 105 prompt tokens with the template
+    with run_simulator(env=env, argv=argv) as sim:
+        metrics = call(sim.url, "/metrics").body.decode()
+        assert 'mamba_cache_mode="align"' in metrics and 'block_size="16"' in metrics
+
+        def hits() -> float:
+            text = call(sim.url, "/metrics").body.decode()
+            line = next(ln for ln in text.splitlines()
+                        if ln.startswith("vllm:prefix_cache_hits_total"))
+            return float(line.rsplit(" ", 1)[1])
+
+        body = {"messages": [{"role": "user", "content": words}], "max_tokens": 1}
+        first = call(sim.url, "/v1/chat/completions", body).json()["usage"]["prompt_tokens"]
+        before = hits()
+        longer = {"messages": [{"role": "user", "content": words},
+                               {"role": "assistant", "content": "ok"},
+                               {"role": "user", "content": "and then?"}], "max_tokens": 1}
+        call(sim.url, "/v1/chat/completions", longer)
+        # The state was saved one block before the last whole block of the first prompt.
+        assert hits() - before == (first // 16 - 1) * 16

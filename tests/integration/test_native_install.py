@@ -59,7 +59,9 @@ def invoke(root: Path, home: Path, *args: str, timeout: float = 300) -> subproce
 def test_install_from_a_wheel_folder_refuse_reinstall_then_serve_natively(tmp_path: Path) -> None:
     root = copy_project(tmp_path / "stack")
     port = free_port()
-    write_dotenv(root, {"VLLM_PORT": str(port), "OTHER_ENGINE_PORTS": ""})
+    # The cpu platform would run vLLM's CPU build; this test serves the stand-in 0.31.0 wheel.
+    write_dotenv(root, {"VLLM_PORT": str(port), "OTHER_ENGINE_PORTS": "",
+                        "NATIVE_ENGINE_VERSION": "0.31.0"})
     home = tmp_path / "home"
     home.mkdir()
     wheels = tmp_path / "wheels"
@@ -97,3 +99,69 @@ def test_install_from_a_wheel_folder_refuse_reinstall_then_serve_natively(tmp_pa
     assert forced.returncode == 0, forced.stdout + forced.stderr
     assert "installed vllm 0.31.0 into .cache/engines/vllm-0.31.0" in forced.stdout
     assert "(replaced the previous one)" in forced.stdout
+
+
+def base_interpreter(folder: Path, *, torch: str, vllm_wheel: Path | None = None) -> Path:
+    """An interpreter that already has a torch (a distribution record is all pip and the stack
+    look at) and, given a wheel, its own vLLM: what TheRock's ROCm torch or a system vLLM is."""
+    subprocess.run([sys.executable, "-m", "venv", str(folder)], check=True, timeout=300)
+    python = folder / "bin" / "python"
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    record = Path(site) / f"torch-{torch}.dist-info"
+    record.mkdir()
+    (record / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torch\nVersion: {torch}\n")
+    (record / "RECORD").write_text("")
+    if vllm_wheel is not None:
+        subprocess.run([str(python), "-m", "pip", "install", "--no-index", "--disable-pip-version-check",
+                        str(vllm_wheel)], check=True, capture_output=True, timeout=300)
+    return python
+
+
+def test_system_site_packages_reuses_the_interpreters_torch_and_its_vllm(tmp_path: Path) -> None:
+    root = copy_project(tmp_path / "stack")
+    port = free_port()
+    write_dotenv(root, {"VLLM_PORT": str(port), "OTHER_ENGINE_PORTS": "",
+                        "NATIVE_ENGINE_VERSION": "0.31.0"})
+    home = tmp_path / "home"
+    home.mkdir()
+    wheels = tmp_path / "wheels"
+    wheel = build_wheel(wheels, "0.31.0")
+    python = base_interpreter(tmp_path / "rocm-python", torch="2.9.1+rocm7.2", vllm_wheel=wheel)
+
+    first = invoke(root, home, "install-engine", "--python", str(python), "--system-site-packages",
+                   "--wheels", str(wheels), "--json")
+    assert first.returncode == 0, first.stdout + first.stderr
+    report = json.loads(first.stdout)
+    assert report["system_site_packages"] and report["base_python"] == str(python)
+    assert report["installed"]["torch"] == "2.9.1+rocm7.2"  # the interpreter's, not a download
+    venv = root / ".cache" / "engines" / "vllm-0.31.0"
+    assert (venv / "vllmstack-constraints.txt").read_text() == "torch==2.9.1+rocm7.2\n"
+    assert "runs it" in " ".join(report["notes"])  # the interpreter's vllm, through bin/vllm
+    listed = json.loads(invoke(root, home, "engines", "--json").stdout)
+    assert [(e["vllm"], e["torch"], e["system_site_packages"]) for e in listed] == [
+        ("0.31.0", "2.9.1+rocm7.2", True)]
+
+    up = invoke(root, home, "up", "--runtime", "native", "--platform", "cpu", "--model",
+                "qwen3-0.6b", "--no-dashboard", "--set", "ENGINE_ENV=SIM_BOOT_SECONDS=0.5")
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        record = json.loads((root / "generated" / "native" / "engine.json").read_text())
+        assert record["argv"][:2] == [str(venv / "bin" / "vllm"), "serve"]
+    finally:
+        down = invoke(root, home, "down")
+    assert down.returncode == 0, down.stderr
+
+
+def test_system_site_packages_refuses_an_interpreter_without_torch(tmp_path: Path) -> None:
+    root = copy_project(tmp_path / "stack")
+    home = tmp_path / "home"
+    home.mkdir()
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", str(bare)], check=True, timeout=300)
+    result = invoke(root, home, "install-engine", "--python", str(bare / "bin" / "python"),
+                    "--system-site-packages", "--version", "0.31.0")
+    assert result.returncode == 1
+    assert "has no torch" in result.stderr and "fix:" in result.stderr
+    assert not (root / ".cache" / "engines" / "vllm-0.31.0").exists()
+

@@ -12,11 +12,15 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from helpers import ROOT, copy_project, free_port, write_dotenv
+
+from vllmstack.core.checkout import checkout_id
+from vllmstack.observe.health import health_status
 
 SIMULATOR = ROOT / "tests" / "simulator" / "server.py"
 WRAPPER = """
@@ -195,7 +199,117 @@ def test_without_an_installed_engine_up_says_how_to_install_it(stack: Stack) -> 
     assert result.returncode == 1
     assert "Traceback" not in result.stdout + result.stderr
     lines = result.stderr.strip().splitlines()
-    assert "the native engine for vLLM 0.31.0 is not installed" in lines[-2]
-    assert lines[-1] == ("fix:   invoke install-engine --version 0.31.0 (add --wheels DIR for AMD's "
-                         "ROCm wheels)")
+    # The cpu platform runs vLLM's CPU build: its version, and no AMD wheel advice.
+    assert "the native engine for vLLM 0.32.0+cpu is not installed" in lines[-2]
+    assert lines[-1] == "fix:   invoke install-engine --version 0.32.0+cpu"
     assert stack.record() is None
+
+
+# --- one stack, one engine: the lock, and records that cannot be read -------------------------------
+
+def live_markers(root: Path) -> dict[str, list[int]]:
+    """Live processes carrying this checkout's engine marker, by marker."""
+    prefix = f"VLLMSTACK_ENGINE_ID={checkout_id(root)}-".encode()
+    found: dict[str, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            marked = [e for e in (entry / "environ").read_bytes().split(b"\0")
+                      if e.startswith(prefix)]
+            if marked and not gone(int(entry.name), _start(entry)):
+                found.setdefault(marked[0].decode().split("=", 1)[1], []).append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.slow  # two boots at once, then a down: about 15 s
+def test_two_ups_at_once_give_one_engine_and_down_stops_it(stack: Stack) -> None:
+    env = {**os.environ, "HOME": str(stack.home)}
+    argv = [sys.executable, "-m", "invoke", "up", "--platform", "cpu", "--model", "qwen3-0.6b",
+            "--no-dashboard", "--set", "ENGINE_ENV=SIM_BOOT_SECONDS=3"]
+    ups = [subprocess.Popen(argv, cwd=stack.root, env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE) for _ in range(2)]
+    outputs = [up.communicate(timeout=180) for up in ups]
+    texts = [out + err for out, err in outputs]
+    waited = [i for i, text in enumerate(texts) if "which holds the stack lock" in text]
+    assert len(waited) == 1, texts  # exactly one of them found the other at work
+    second, first = waited[0], 1 - waited[0]
+    assert ups[first].returncode == 0 and "healthy after" in texts[first], texts[first]
+    # It says what it waited for: the other `up`, by pid.
+    assert f"for `invoke up` (pid {ups[first].pid}" in texts[second], texts[second]
+    if ups[second].returncode == 0:  # the first was up within the wait: nothing left to do
+        assert "the stack lock is free" in texts[second] and "nothing to do" in texts[second]
+    else:  # the first was still booting: refused, naming it
+        assert f"`invoke up` (pid {ups[first].pid}" in texts[second].splitlines()[-2]
+    markers = live_markers(stack.root)
+    record = stack.record()
+    assert record is not None and list(markers) == [record["marker"]], markers
+    assert stack.status()["healthy"] is True
+    down = stack.invoke("down")
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert "stopped the native engine" in down.stdout
+    assert live_markers(stack.root) == {}
+    assert health_status(f"http://127.0.0.1:{stack.port}") is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["truncated", "record-and-launch-spec-gone-to-garbage"])
+def test_down_finds_an_engine_whose_record_is_damaged(stack: Stack, damage: str) -> None:
+    result = stack.up("--set", "ENGINE_ENV=SIM_BOOT_SECONDS=0.5")
+    assert result.returncode == 0, result.stdout + result.stderr
+    folder = stack.root / "generated" / "native"
+    record = folder / "engine.json"
+    marker = str(json.loads(record.read_text())["marker"])
+    text = record.read_text()
+    record.write_text(text[: len(text) // 2])  # cut short, as by a full disk
+    if damage != "truncated":
+        (folder / "launch.json").write_text("\0garbage")
+    url = f"http://127.0.0.1:{stack.port}"
+    assert health_status(url) == 200
+    # status sees the engine by its marker, so `up` will not start a second one beside it.
+    status = stack.status()
+    assert (status["running"], status["healthy"]) == (True, True)
+    assert len(status["containers"]) == 2  # type: ignore[arg-type]
+    again = stack.up("--set", "VLLM_SERVED_NAME=another")  # another command: refused
+    assert again.returncode == 1 and "already runs" in again.stdout + again.stderr
+    assert list(live_markers(stack.root)) == [marker]
+    down = stack.invoke("down")
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert "warning: the engine record" in down.stdout and "is not valid JSON" in down.stdout
+    assert "stopped a native engine of this checkout that no record named" in down.stdout
+    assert "2 process(es)" in down.stdout
+    assert health_status(url) is None
+    assert processes_with(marker) == []
+    assert not record.exists()
+
+
+@pytest.fixture
+def foreign_server(stack: Stack) -> Iterator[subprocess.Popen[bytes]]:
+    """Another program answering HTTP on the stack's port."""
+    proc = subprocess.Popen([sys.executable, "-m", "http.server", str(stack.port), "--bind",
+                             "127.0.0.1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            cwd=stack.home)
+    deadline = time.monotonic() + 20
+    while health_status(f"http://127.0.0.1:{stack.port}") is None:
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.1)
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_down_never_says_stopped_while_the_port_still_answers(
+        stack: Stack, foreign_server: subprocess.Popen[bytes]) -> None:
+    folder = stack.root / "generated" / "native"
+    folder.mkdir(parents=True)
+    (folder / "engine.json").write_text('{"pid": 12')
+    down = stack.invoke("down")
+    assert down.returncode == 1
+    assert not [line for line in down.stdout.splitlines() if line.startswith("stopped")]
+    lines = down.stderr.strip().splitlines()
+    assert f"http://127.0.0.1:{stack.port} still answers after the native runtime stopped" in lines[-2]
+    assert "SimpleHTTP" in lines[-2]
+    assert f"port {stack.port}" in lines[-1] and lines[-1].startswith("fix:")
+    assert foreign_server.poll() is None  # never signalled: it carries no marker of ours

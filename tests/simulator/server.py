@@ -35,10 +35,19 @@ Environment (all optional; an `SIM_*` value wins over the argv):
                         random-weight model, so generation runs to max_tokens ("length")
   SIM_REASONING_TOKENS  with a reasoning parser and thinking on, the first N tokens go to
                         `delta.reasoning`, the rest to `delta.content` (default 16)
+  SIM_TEXTLESS_TOKENS   the first N tokens of every answer have no text, like a thinking marker
+                        the reasoning parser strips: they count in usage, but no chunk carries
+                        them (a one-token answer sends only its finish chunk, content "")
+  SIM_MAMBA_CACHE_MODE  "align" makes a hybrid (Mamba-layer) model: cache_config_info says so,
+                        and a cached prefix can resume only where an earlier prefill saved its
+                        layer state, at the last whole block of that prompt (default "none")
   SIM_TOKENIZER         path to a tokenizer.json; used when the `tokenizers` package is importable
   SIM_SEED              extra seed for the generated text (default 0)
   SIM_FAULT             one of: crash-at-boot, crash-loop, hang, die-after, token-loop,
-                        drop-requests, stream-mismatch, tool-truncation (see `Faults` below)
+                        drop-requests, stream-mismatch, tool-truncation, keepalive, trickle,
+                        html-page, wrong-types, usage-overcount (see `Faults` below)
+  SIM_KEEPALIVE_MS      keepalive: gap between SSE comments (default 1000)
+  SIM_TRICKLE_MS        trickle: gap between the bytes of a stream (default 50)
   SIM_FAULT_LOG         text printed (as an EngineCore ERROR line) for crash-at-boot/crash-loop;
                         default: vLLM's "No available memory for the cache blocks" error
   SIM_DIE_AFTER_S       die-after: seconds of serving before the engine dies (default 5)
@@ -79,6 +88,16 @@ Faults:
   stream-mismatch streamed text differs from the non-streamed text for the same request
   tool-truncation when max_tokens cuts a tool call, the non-streamed answer drops the partial
                   arguments while the stream keeps them
+  keepalive       a stream sends its role chunk, then only SSE keep-alive comments (": ping"),
+                  every SIM_KEEPALIVE_MS, until the client goes away: it never ends by itself
+  trickle         every byte of a stream goes out on its own, SIM_TRICKLE_MS after the last
+  html-page       generation requests get 200 with a text/html login page (a proxy in the way)
+  wrong-types     JSON of the wrong shape: stream chunks carry `"usage": 5`, non-streamed
+                  answers `"choices": "abc"`
+  usage-overcount the usage reports twice the tokens generated (more than max_tokens)
+
+Prefix cache with speculative decoding (`--speculative-config` with method eagle, eagle3 or mtp):
+the last matched block is dropped, as vLLM does so the draft head gets its hidden states.
 """
 
 from __future__ import annotations
@@ -119,8 +138,13 @@ CORE_FAILED_TEXT = (
 )
 FAULTS = (
     "crash-at-boot", "crash-loop", "hang", "die-after", "token-loop", "drop-requests",
-    "stream-mismatch", "tool-truncation",
+    "stream-mismatch", "tool-truncation", "keepalive", "trickle", "html-page", "wrong-types",
+    "usage-overcount",
 )
+HTML_PAGE = (b"<!DOCTYPE html><html><head><title>Sign in - Example Proxy</title></head>"
+             b"<body><form>Please sign in to continue.</form></body></html>")
+# Speculative methods that make vLLM drop the last matched prefix-cache block.
+EAGLE_METHODS = ("eagle", "eagle3", "mtp")
 
 # --------------------------------------------------------------------------------------------
 # configuration
@@ -154,6 +178,10 @@ class Config:
     kv_cache_tokens: int = 0
     stop_after: int = 0
     reasoning_tokens: int = 16
+    textless_tokens: int = 0
+    mamba_cache_mode: str = "none"
+    keepalive_ms: float = 1000.0
+    trickle_ms: float = 50.0
     tokenizer_path: str = ""
     seed: int = 0
     fault: str = ""
@@ -173,6 +201,12 @@ class Config:
     @property
     def names(self) -> list[str]:
         return self.served_names or [self.model]
+
+    @property
+    def eagle(self) -> bool:
+        """Speculative decoding that drops the last matched prefix-cache block."""
+        return bool(self.spec_config) and str(
+            (self.spec_config or {}).get("method", "")).lower() in EAGLE_METHODS
 
     @property
     def num_spec_tokens(self) -> int:
@@ -349,6 +383,12 @@ def load_config(argv: Sequence[str], environ: dict[str, str]) -> Config:
     cfg.kv_cache_tokens = _env_int(env, "SIM_KV_CACHE_TOKENS", cfg.max_model_len * 8, minimum=1)
     cfg.stop_after = _env_int(env, "SIM_STOP_AFTER", cfg.stop_after)
     cfg.reasoning_tokens = _env_int(env, "SIM_REASONING_TOKENS", cfg.reasoning_tokens)
+    cfg.textless_tokens = _env_int(env, "SIM_TEXTLESS_TOKENS", cfg.textless_tokens)
+    cfg.mamba_cache_mode = env.get("SIM_MAMBA_CACHE_MODE", "").strip() or cfg.mamba_cache_mode
+    if cfg.mamba_cache_mode not in ("none", "align"):
+        raise ConfigError(f"SIM_MAMBA_CACHE_MODE={cfg.mamba_cache_mode!r} is not none or align")
+    cfg.keepalive_ms = _env_float(env, "SIM_KEEPALIVE_MS", cfg.keepalive_ms)
+    cfg.trickle_ms = _env_float(env, "SIM_TRICKLE_MS", cfg.trickle_ms)
     cfg.tokenizer_path = env.get("SIM_TOKENIZER", "")
     cfg.seed = _env_int(env, "SIM_SEED", cfg.seed)
     cfg.fault = env.get("SIM_FAULT", "").strip()
@@ -523,11 +563,20 @@ VOCAB = [a + b for a in _SYLLABLES for b in _SYLLABLES]
 
 
 class PrefixCache:
-    def __init__(self, block_size: int, capacity_blocks: int, enabled: bool) -> None:
+    """Chained block hashes, longest cached prefix wins. `drop_last` (EAGLE/MTP) gives back the
+    last matched block; `align` (hybrid models) also needs a saved layer state where the match
+    ends, and a prefill saves one only at the last whole block of its prompt (one block earlier
+    with `drop_last`), as vLLM's align mode does."""
+
+    def __init__(self, block_size: int, capacity_blocks: int, enabled: bool,
+                 drop_last: bool = False, align: bool = False) -> None:
         self.block_size = block_size
         self.capacity = max(1, capacity_blocks)
         self.enabled = enabled
+        self.drop_last = drop_last
+        self.align = align
         self.blocks: OrderedDict[int, None] = OrderedDict()
+        self.states: set[int] = set()  # align mode: block hashes a layer state was saved at
         self.lock = threading.Lock()
 
     def _hashes(self, tokens: Sequence[Any]) -> list[int]:
@@ -545,24 +594,35 @@ class PrefixCache:
         if not self.enabled or not tokens:
             return 0
         limit = (len(tokens) - 1) // self.block_size
-        hits = 0
+        hits: list[int] = []
         with self.lock:
             for h in self._hashes(tokens)[:limit]:
                 if h not in self.blocks:
                     break
                 self.blocks.move_to_end(h)
-                hits += 1
-        return hits * self.block_size
+                hits.append(h)
+            if self.align:
+                while hits and hits[-1] not in self.states:
+                    hits.pop()
+            elif self.drop_last and hits:
+                hits.pop()
+        return len(hits) * self.block_size
 
-    def insert(self, tokens: Sequence[Any]) -> None:
+    def insert(self, tokens: Sequence[Any], prefill: bool = False) -> None:
         if not self.enabled:
             return
+        hashes = self._hashes(tokens)
         with self.lock:
-            for h in self._hashes(tokens):
+            for h in hashes:
                 self.blocks[h] = None
                 self.blocks.move_to_end(h)
+            if self.align and prefill:
+                saved = len(hashes) - (1 if self.drop_last else 0)
+                if saved > 0:
+                    self.states.add(hashes[saved - 1])
             while len(self.blocks) > self.capacity:
-                self.blocks.popitem(last=False)
+                gone, _ = self.blocks.popitem(last=False)
+                self.states.discard(gone)
 
 
 # --------------------------------------------------------------------------------------------
@@ -864,8 +924,10 @@ class Metrics:
             "kv_cache_max_concurrency": repr(cfg.kv_cache_tokens / cfg.max_model_len),
             "kv_cache_memory_bytes": "None", "kv_cache_size_tokens": str(cfg.kv_cache_tokens),
             "kv_offloading_backend": "native", "kv_offloading_size": "None",
-            "kv_sharing_fast_prefill": "False", "mamba_block_size": "None",
-            "mamba_cache_dtype": "auto", "mamba_cache_mode": "none",
+            "kv_sharing_fast_prefill": "False",
+            # A hybrid's Mamba layers cache in their own (16-token) kernel blocks.
+            "mamba_block_size": "16" if cfg.mamba_cache_mode == "align" else "None",
+            "mamba_cache_dtype": "auto", "mamba_cache_mode": cfg.mamba_cache_mode,
             "mamba_page_size_padded": "None", "mamba_ssm_cache_dtype": "auto",
             "num_cpu_blocks": "None", "num_gpu_blocks": str(blocks),
             "num_gpu_blocks_override": "None", "prefix_caching_hash_algo": "sha256",
@@ -1132,7 +1194,8 @@ class Engine:
         self.log = log
         self.metrics = metrics
         self.cache = PrefixCache(cfg.block_size, cfg.kv_cache_tokens // cfg.block_size,
-                                 cfg.prefix_caching)
+                                 cfg.prefix_caching, drop_last=cfg.eagle,
+                                 align=cfg.mamba_cache_mode == "align")
         self.cond = threading.Condition()
         self.running = 0
         self.dead = False
@@ -1187,7 +1250,7 @@ class Engine:
         m.inc("vllm:prompt_tokens_by_source", req.cached, source="local_cache_hit")
         m.inc("vllm:prompt_tokens_cached", req.cached)
         m.observe("vllm:iteration_tokens_total", float(prompt - req.cached + 1))
-        self.cache.insert(req.prompt_tokens)
+        self.cache.insert(req.prompt_tokens, prefill=True)
 
     def record_step(self, req: Request, tokens: int, now: float, first: bool) -> None:
         m = self.metrics
@@ -1356,9 +1419,18 @@ class Handler(BaseHTTPRequestHandler):
         self.access_log(200)
 
     def send_event(self, payload: str) -> None:
-        data = f"data: {payload}\n\n".encode()
+        self.send_chunk(f"data: {payload}\n\n".encode())
+
+    def send_chunk(self, data: bytes) -> None:
+        """One piece of a chunked body; with the trickle fault, one byte per chunk, spaced."""
+        cfg = self.server.sim.cfg
         try:
-            self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+            if cfg.fault != "trickle":
+                self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+                return
+            for i in range(len(data)):
+                self.wfile.write(b"1\r\n" + data[i:i + 1] + b"\r\n")
+                time.sleep(cfg.trickle_ms / 1000)
         except OSError as exc:
             raise ClientGoneError from exc
 
@@ -1545,6 +1617,9 @@ class Handler(BaseHTTPRequestHandler):
             raise bad_request("Request body must be a JSON object")
         if self.maybe_drop():
             return None
+        if self.server.sim.cfg.fault == "html-page":
+            self.send_body(200, HTML_PAGE, "text/html; charset=utf-8")
+            return None
         if self.server.sim.engine.dead:
             raise EngineDeadError
         self.check_model(body)
@@ -1652,6 +1727,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def usage(self, req: Request, completion: int) -> dict[str, int]:
         prompt = len(req.prompt_tokens)
+        if self.server.sim.cfg.fault == "usage-overcount":
+            completion *= 2
         return {"prompt_tokens": prompt, "total_tokens": prompt + completion,
                 "completion_tokens": completion}
 
@@ -1691,6 +1768,8 @@ class Handler(BaseHTTPRequestHandler):
             chunk = {**head, "choices": [choice]}
             if continuous:
                 chunk["usage"] = self.usage(req, sent[0])
+            if sim.cfg.fault == "wrong-types":
+                chunk["usage"] = 5
             self.send_event(dumps(chunk))
 
         if self.stream_steps(req, pieces, emit, head, finish, include_usage):
@@ -1726,6 +1805,8 @@ class Handler(BaseHTTPRequestHandler):
             "prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None,
             "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None,
         }
+        if sim.cfg.fault == "wrong-types":
+            data["choices"] = "abc"
         self.send_json(200, data)
         sim.count_tool_parser(tool is not None, streaming=False)
 
@@ -1758,6 +1839,9 @@ class Handler(BaseHTTPRequestHandler):
                      finish: str, include_usage: bool) -> bool:
         """Send the paced chunks, the usage chunk and [DONE]; False when the engine died midway."""
         sim = self.server.sim
+        if sim.cfg.fault == "keepalive":
+            self.keep_alive(req, emit)
+            return False
         try:
             self.run_steps(req, pieces, emit)
         except EngineDeadError:
@@ -1774,6 +1858,19 @@ class Handler(BaseHTTPRequestHandler):
         self.send_event("[DONE]")
         self.end_stream()
         return True
+
+    def keep_alive(self, req: Request, emit: Any) -> None:
+        """The keepalive fault: a slot, the role chunk, then SSE comments until the client goes."""
+        engine = self.server.sim.engine
+        engine.admit(req)
+        try:
+            emit(None, False)
+            while True:
+                sleep_until(time.monotonic() + self.server.sim.cfg.keepalive_ms / 1000, engine)
+                self.send_chunk(b": ping\n\n")
+        except (ClientGoneError, EngineDeadError):
+            engine.finish(req, "abort", [])
+            raise ClientGoneError from None
 
     def complete_text(self, req: Request, rid: str, pieces: list[Piece], finish: str) -> None:
         sim = self.server.sim
@@ -1865,6 +1962,10 @@ class Simulator:
             random.Random(seed), budget, reasoning=reasoning, tool=tool,
             loop_after=cfg.loop_after if cfg.fault == "token-loop" else -1,
             loop_ngram=cfg.loop_ngram, stop_after=stop_after, mismatch_rng=mismatch)
+        if cfg.textless_tokens:
+            # Tokens with no text (a stripped </think>, a special token) still count in usage.
+            cut = min(cfg.textless_tokens, len(pieces))
+            pieces = [Piece("silent") for _ in range(cut)] + pieces[cut:]
         return pieces, finish
 
     def count_tool_parser(self, called: bool, streaming: bool) -> None:

@@ -27,11 +27,18 @@ from vllmstack.bench import history
 from vllmstack.bench.client import ChatClient
 from vllmstack.bench.ladders import DEFAULT_MARGIN
 from vllmstack.bench.options import COMMANDS, add_arguments
+from vllmstack.bench.params import ParamError, check_params
 from vllmstack.bench.probes import ProbeContext, run_probe
 from vllmstack.bench.prompts import PromptBuilder, TokenizerError, load_tokenizer
 from vllmstack.bench.prompts import resolve_tokenizer as find_tokenizer
 from vllmstack.bench.report import build_report
-from vllmstack.bench.runs import RUN_KINDS, RunOptions, execute, find_served_model
+from vllmstack.bench.runs import (
+    RUN_KINDS,
+    RunOptions,
+    execute,
+    find_served_model,
+    live_max_model_len,
+)
 from vllmstack.bench.stability import run_stability
 from vllmstack.bench.target import Target, target_from_profile, target_from_url
 from vllmstack.bench.verdict import Verdict
@@ -102,15 +109,20 @@ def _load_builder(target: Target, environ: Mapping[str, str], required: bool
 
 async def _live_limits(client: ChatClient, target: Target) -> int | None:
     entry = await find_served_model(client, target.model)
-    value = entry.get("max_model_len")
-    return int(value) if isinstance(value, int) else target.max_model_len
+    return live_max_model_len(entry) or target.max_model_len
 
 
 async def _run_checks(args: argparse.Namespace, target: Target, environ: Mapping[str, str],
                       progress: Callable[[str], None]) -> Verdict:
+    owner = args.name if args.command == "probe" else args.mode
+    params = dict(args.param)
+    if args.command == "stability":
+        for key in ("workers", "requests", "max_tokens", "runs"):
+            if getattr(args, key) is not None:
+                params[key] = getattr(args, key)
+    params = check_params(owner, params)  # before anything is loaded or sent
     needs_tokenizer = args.command == "probe" and args.name == "itl-stall"
     builder, tokenizer = _load_builder(target, environ, needs_tokenizer)
-    params = dict(args.param)
     async with ChatClient(target.url, api_key=target.api_key, timeout_s=args.timeout,
                           tokenizer=tokenizer) as client:
         max_len = await _live_limits(client, target)
@@ -118,9 +130,6 @@ async def _run_checks(args: argparse.Namespace, target: Target, environ: Mapping
                            params, progress)
         if args.command == "probe":
             return await run_probe(args.name, ctx)
-        for key in ("workers", "requests", "max_tokens", "runs"):
-            if getattr(args, key) is not None:
-                params[key] = getattr(args, key)
         return await run_stability(args.mode, ctx)
 
 
@@ -147,7 +156,8 @@ async def _dispatch(args: argparse.Namespace, project: Project, environ: Mapping
         folder = args.history_dir or project.benchmarks
         chart_dir = (args.out.parent if args.out else project.generated / "report") \
             if args.png else None
-        text, charts = build_report(folder, args.kind, last=args.last, chart_dir=chart_dir)
+        text, charts = build_report(folder, args.kind, last=args.last, chart_dir=chart_dir,
+                                    warn=lambda line: progress(f"warning: {line}"))
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(text)
@@ -204,7 +214,7 @@ def main(argv: Sequence[str] | None = None, *, environ: Mapping[str, str] | None
         return 1
     except StackError as exc:  # RunError, TargetError, TokenizerError, EndpointError, ...
         progress(exc.render())
-        return EXIT_USAGE if isinstance(exc, CliError) else 1
+        return EXIT_USAGE if isinstance(exc, CliError | ParamError) else 1
 
 
 def _run_with_signals(coro: Any) -> int:

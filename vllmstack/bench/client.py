@@ -1,305 +1,43 @@
-"""Streaming chat client and the per-request measurements every benchmark is built from.
+"""Streaming chat client: one pooled connection set, the request bodies, the endpoint errors.
 
-Definitions (chosen so that a server sending the role chunk early, or several tokens per chunk,
-cannot distort them):
-* TTFT: request sent -> arrival of the first chunk carrying content, reasoning or tool-call text.
-  A role-only chunk is not a token; its arrival is kept separately as TTFR (a diagnostic).
-* Tokens per chunk come from `token_ids` or from per-chunk cumulative `usage`
-  (`continuous_usage_stats`); with only a final `usage` the first chunk counts one token and the
-  rest are spread evenly over the later chunks; never from counting chunks.
-* Decode t/s: tokens after the first token chunk / (last token chunk - first token chunk). With one
-  token per chunk that is (N - 1) / (t_N - t_1).
-* ITL: each chunk's arrival gap divided evenly over the tokens it carried (a per-token sample per
-  token), so MTP / speculative chunks do not look like stalls.
+What is measured per request, and how a stream is parsed, lives in `stream` (`RequestResult`,
+`StreamState`). One event loop, one connection pool, and per chunk only a line split and one
+json.loads: the client must not be what limits the numbers it reports.
 
-One event loop, one connection pool, and per chunk only a line split and one json.loads: the client
-must not be what limits the numbers it reports.
+Every request ends by its total deadline (`--timeout`), whatever the server sends meanwhile; a
+200 answer that is not what was asked for (an HTML login page, JSON instead of an event stream)
+is a failure that says what came.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
-from vllmstack.bench.http import HTTPClient, HTTPError, HTTPTimeoutError
+from vllmstack.bench.http import HTTPClient, HTTPError, HTTPTimeoutError, Response
+from vllmstack.bench.stream import (
+    RequestResult,
+    StreamState,
+    check_against_request,
+    describe,
+)
 from vllmstack.core.errors import StackError
 
+__all__ = ["DEFAULT_TIMEOUT_S", "ChatClient", "EndpointError", "RequestResult", "chat_body",
+           "normalize_base_url"]
+
 DEFAULT_TIMEOUT_S = 600.0
+# Kept for callers of the old name (benchmarks/bench_client_overhead.py).
+_StreamState = StreamState
+_TITLE = re.compile(rb"<title[^>]*>(.*?)</title>", re.IGNORECASE | re.DOTALL)
 
 
 class EndpointError(StackError, RuntimeError):
     """The endpoint could not be used at all (refused, wrong URL, bad model); says what to check."""
-
-
-@dataclass
-class RequestResult:
-    """Everything measured for one streamed request. Times are `time.perf_counter()` seconds."""
-
-    t_sent: float = 0.0
-    t_first_event: float | None = None  # first chunk with choices, even role-only (TTFR)
-    t_first_token: float | None = None
-    t_end: float = 0.0
-    status: int = 0
-    error: str | None = None
-    chunk_times: list[float] = field(default_factory=list)  # token-carrying chunks only
-    chunk_tokens: list[int] = field(default_factory=list)  # tokens per chunk, when known
-    token_source: str = "none"  # token_ids | usage-per-chunk | usage-final | tokenizer | none
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    cached_tokens: int | None = None
-    content: str = ""
-    reasoning: str = ""
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)
-    finish_reason: str | None = None
-    stopped: bool = False  # ended early on purpose (probes), not a failure
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
-
-    @property
-    def tokens(self) -> int:
-        return sum(self.chunk_tokens)
-
-    @property
-    def ttft_s(self) -> float | None:
-        return None if self.t_first_token is None else self.t_first_token - self.t_sent
-
-    @property
-    def ttfr_s(self) -> float | None:
-        return None if self.t_first_event is None else self.t_first_event - self.t_sent
-
-    @property
-    def decode_tokens(self) -> int:
-        """Tokens after the first token chunk (those the decode rate is measured over)."""
-        return self.tokens - self.chunk_tokens[0] if self.chunk_tokens else 0
-
-    @property
-    def decode_span_s(self) -> float:
-        if len(self.chunk_times) < 2:
-            return 0.0
-        return self.chunk_times[-1] - self.chunk_times[0]
-
-    @property
-    def decode_tps(self) -> float | None:
-        span = self.decode_span_s
-        if span <= 0 or self.decode_tokens <= 0:
-            return None
-        return self.decode_tokens / span
-
-    def itl_samples_s(self) -> list[float]:
-        """One inter-token latency per decoded token (chunk gap shared by its tokens)."""
-        out: list[float] = []
-        times, counts = self.chunk_times, self.chunk_tokens
-        for i in range(1, min(len(times), len(counts))):
-            k = counts[i]
-            if k <= 0:
-                continue
-            gap = (times[i] - times[i - 1]) / k
-            out.extend([gap] * k)
-        return out
-
-    def chunk_gaps_s(self) -> list[float]:
-        """Arrival gaps between token-carrying chunks (what per-chunk tools call ITL)."""
-        t = self.chunk_times
-        return [t[i] - t[i - 1] for i in range(1, len(t))]
-
-    def text(self) -> str:
-        return self.reasoning + self.content
-
-    def summary(self) -> dict[str, Any]:
-        """Compact per-request record (for history, probes and stability tables)."""
-        return {
-            "ok": self.ok,
-            "error": self.error,
-            "status": self.status,
-            "ttft_ms": None if self.ttft_s is None else self.ttft_s * 1000,
-            "ttfr_ms": None if self.ttfr_s is None else self.ttfr_s * 1000,
-            "decode_tps": self.decode_tps,
-            "tokens": self.tokens,
-            "completion_tokens": self.completion_tokens,
-            "prompt_tokens": self.prompt_tokens,
-            "cached_tokens": self.cached_tokens,
-            "token_source": self.token_source,
-            "finish_reason": self.finish_reason,
-            "e2e_ms": (self.t_end - self.t_sent) * 1000 if self.t_end else None,
-        }
-
-
-class _StreamState:
-    """Incremental SSE + chunk parser for one response; kept minimal because it runs per chunk."""
-
-    __slots__ = (
-        "content", "data", "done", "last_usage_tokens", "pending", "per_chunk_usage",
-        "reasoning", "result", "saw_token_ids", "tool_parts",
-    )
-
-    def __init__(self, result: RequestResult) -> None:
-        self.result = result
-        self.pending = b""
-        self.data: list[bytes] = []
-        self.done = False
-        self.content: list[str] = []
-        self.reasoning: list[str] = []
-        self.tool_parts: dict[int, dict[str, Any]] = {}
-        self.last_usage_tokens = 0
-        self.per_chunk_usage = False
-        self.saw_token_ids = False
-
-    def feed(self, raw: bytes, now: float) -> None:
-        buf = self.pending + raw if self.pending else raw
-        lines = buf.split(b"\n")
-        self.pending = lines.pop()
-        for line in lines:
-            if line.endswith(b"\r"):
-                line = line[:-1]
-            if not line:
-                if self.data:
-                    payload = self.data[0] if len(self.data) == 1 else b"\n".join(self.data)
-                    self.data = []
-                    self.event(payload, now)
-                continue
-            if line.startswith(b"data:"):
-                value = line[5:]
-                if value.startswith(b" "):
-                    value = value[1:]
-                self.data.append(value)
-            # Other SSE fields (event:, id:, retry:, comments) carry nothing we measure.
-
-    def finish(self, now: float) -> None:
-        if self.pending:
-            self.feed(b"\n", now)
-        if self.data:
-            self.feed(b"\n", now)
-
-    def event(self, payload: bytes, now: float) -> None:
-        if payload == b"[DONE]":
-            self.done = True
-            return
-        try:
-            obj = json.loads(payload)
-        except ValueError:
-            self.result.error = self.result.error or f"unparsable stream event: {payload[:120]!r}"
-            return
-        if not isinstance(obj, dict):
-            return
-        if "error" in obj and not obj.get("choices"):
-            err = obj["error"]
-            msg = err.get("message") if isinstance(err, dict) else err
-            self.result.error = f"server error in stream: {msg}"
-            return
-        usage = obj.get("usage")
-        usage_tokens = None
-        if usage:
-            usage_tokens = usage.get("completion_tokens")
-            self.result.prompt_tokens = usage.get("prompt_tokens", self.result.prompt_tokens)
-            if usage_tokens is not None:
-                self.result.completion_tokens = usage_tokens
-            details = usage.get("prompt_tokens_details")
-            if isinstance(details, dict) and details.get("cached_tokens") is not None:
-                self.result.cached_tokens = details["cached_tokens"]
-        choices = obj.get("choices")
-        if not choices:
-            return
-        result = self.result
-        if result.t_first_event is None:
-            result.t_first_event = now
-        choice = choices[0]
-        delta = choice.get("delta") or {}
-        carries = False
-        text = delta.get("content")
-        if text:
-            self.content.append(text)
-            carries = True
-        text = delta.get("reasoning") or delta.get("reasoning_content")
-        if text:
-            self.reasoning.append(text)
-            carries = True
-        calls = delta.get("tool_calls")
-        if calls:
-            self.merge_tool_calls(calls)
-            carries = True
-        ids = choice.get("token_ids")
-        if ids:
-            carries = True
-        if choice.get("finish_reason"):
-            result.finish_reason = choice["finish_reason"]
-        if not carries:
-            return
-        if result.t_first_token is None:
-            result.t_first_token = now
-        result.chunk_times.append(now)
-        if ids:
-            self.saw_token_ids = True
-            result.chunk_tokens.append(len(ids))
-        elif usage_tokens is not None:
-            # Cumulative usage in every chunk: this chunk's tokens are the increase since the last.
-            self.per_chunk_usage = True
-            result.chunk_tokens.append(usage_tokens - self.last_usage_tokens)
-            self.last_usage_tokens = usage_tokens
-        else:
-            result.chunk_tokens.append(-1)  # unknown yet; settled in `close`
-
-    def merge_tool_calls(self, calls: list[dict[str, Any]]) -> None:
-        for call in calls:
-            index = call.get("index", 0)
-            slot = self.tool_parts.setdefault(index, {"id": None, "name": "", "arguments": ""})
-            if call.get("id"):
-                slot["id"] = call["id"]
-            fn = call.get("function") or {}
-            if fn.get("name"):
-                slot["name"] += fn["name"]
-            if fn.get("arguments"):
-                slot["arguments"] += fn["arguments"]
-
-    def close(self, tokenizer: Any = None) -> None:
-        """Join texts and settle token counts once the stream has ended."""
-        result = self.result
-        result.content = "".join(self.content)
-        result.reasoning = "".join(self.reasoning)
-        result.tool_calls = [self.tool_parts[i] for i in sorted(self.tool_parts)]
-        counts = result.chunk_tokens
-        if not counts:
-            return
-        unknown = [i for i, k in enumerate(counts) if k < 0]
-        if self.saw_token_ids:
-            result.token_source = "token_ids"
-        elif self.per_chunk_usage and not unknown:
-            result.token_source = "usage-per-chunk"
-        total = result.completion_tokens
-        if unknown:
-            if total is None and tokenizer is not None:
-                total = len(tokenizer.encode(result.text(), add_special_tokens=False).ids)
-                result.token_source = "tokenizer"
-            elif total is not None:
-                result.token_source = "usage-final"
-            if total is None:
-                result.chunk_tokens = []
-                result.token_source = "none"
-                return
-            known = sum(k for k in counts if k >= 0)
-            rest = max(0, total - known)
-            # The first token chunk holds one token (prefill yields exactly one, speculative
-            # decoding or not); the rest are spread evenly over the later chunks. For a server
-            # sending k per step that is k each, which keeps decode t/s unbiased; interpolating
-            # per-token times between chunks (what some tools do) overstates it.
-            if unknown[0] == 0 and rest > 0:
-                counts[0] = 1
-                rest -= 1
-                unknown = unknown[1:]
-            if unknown:
-                share, extra = divmod(rest, len(unknown))
-                for n, i in enumerate(unknown):
-                    counts[i] = share + (1 if n < extra else 0)
-            elif rest > 0:
-                counts[0] += rest
-        elif total is not None and total > sum(counts):
-            # Tokens the server counted but never streamed (EOS, stripped markers) end the stream.
-            counts[-1] += total - sum(counts)
 
 
 def chat_body(
@@ -340,6 +78,57 @@ def _error_text(status: int, body: bytes) -> str:
     return f"HTTP {status}: {text}"
 
 
+def unexpected_body(status: int, content_type: str, body: bytes, wanted: str) -> str:
+    """What came instead of `wanted`: the media type and the page title or the first words."""
+    match = _TITLE.search(body[:65536])
+    if match:
+        shown = " ".join(match.group(1).decode("utf-8", "replace").split())[:120]
+        what = f"a page titled {shown!r}"
+    else:
+        text = " ".join(body[:400].decode("utf-8", "replace").split())[:160]
+        what = repr(text) if text else "an empty body"
+    return (f"HTTP {status} with {content_type or 'no content type'} instead of {wanted}: "
+            f"{what} (is --url the inference server itself, not a proxy or login page?)")
+
+
+def _is_json(content_type: str) -> bool:
+    return content_type in ("", "application/json") or content_type.endswith("+json")
+
+
+def _answer_shape(data: Any) -> str | None:
+    """Why a non-streamed chat answer cannot be read, or None when its shape is usable."""
+    if not isinstance(data, dict):
+        return f"the answer is {describe(data)}, expected a JSON object"
+    choices = data.get("choices")
+    if not isinstance(choices, list):
+        return f"choices is {describe(choices)}, expected a list"
+    for n, choice in enumerate(choices):
+        if not isinstance(choice, dict):
+            return f"choices[{n}] is {describe(choice)}, expected an object"
+        message = choice.get("message")
+        if message is not None and not isinstance(message, dict):
+            return f"choices[{n}].message is {describe(message)}, expected an object"
+        for key in ("content", "reasoning", "reasoning_content"):
+            value = (message or {}).get(key)
+            if value is not None and not isinstance(value, str):
+                return f"choices[{n}].message.{key} is {describe(value)}, expected a string"
+        calls = (message or {}).get("tool_calls")
+        if calls is not None and (not isinstance(calls, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("function") or {}, dict)
+                for c in calls)):
+            return f"choices[{n}].message.tool_calls is {describe(calls)}, expected a list"
+    usage = data.get("usage")
+    if usage is not None:
+        if not isinstance(usage, dict):
+            return f"usage is {describe(usage)}, expected an object"
+        for key in ("prompt_tokens", "completion_tokens"):
+            value = usage.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 0):
+                return f"usage.{key} is {describe(value)}, expected a whole number"
+    return None
+
+
 class ChatClient:
     """One pooled HTTP client for an OpenAI-compatible endpoint (see `http` for why not httpx)."""
 
@@ -354,6 +143,7 @@ class ChatClient:
         self.base_url = normalize_base_url(base_url)
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self.tokenizer = tokenizer
+        self.timeout_s = timeout_s
         self._http = HTTPClient(self.base_url, headers=headers, timeout_s=timeout_s,
                                 connect_timeout_s=min(timeout_s, 10.0))
 
@@ -366,13 +156,21 @@ class ChatClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
+    async def _fetch(self, method: str, path: str, body: bytes | None = None
+                     ) -> tuple[int, str, bytes]:
+        async with self._http.request(method, path, body) as response:
+            return response.status, response.content_type, await response.read()
+
     async def get_text(self, path: str) -> str:
         try:
-            status, body = await self._http.get(path)
+            status, ctype, body = await self._fetch("GET", path)
         except HTTPError as exc:
             raise EndpointError(f"cannot reach {self.base_url}{path}: {exc}") from exc
         if status != 200:
             raise EndpointError(f"{self.base_url}{path}: {_error_text(status, body)}")
+        if ctype == "text/html":
+            raise EndpointError(f"{self.base_url}{path}: "
+                                + unexpected_body(status, ctype, body, "the engine's answer"))
         return body.decode("utf-8", "replace")
 
     async def get_json(self, path: str) -> Any:
@@ -385,8 +183,9 @@ class ChatClient:
     async def models(self) -> list[dict[str, Any]]:
         data = await self.get_json("/v1/models")
         models = data.get("data") if isinstance(data, dict) else None
-        if not isinstance(models, list):
-            raise EndpointError(f"{self.base_url}/v1/models did not return a model list")
+        if not isinstance(models, list) or not all(isinstance(m, dict) for m in models):
+            raise EndpointError(f"{self.base_url}/v1/models did not return a model list "
+                                "(a JSON object whose data is a list of objects)")
         return models
 
     async def stream_chat(
@@ -399,62 +198,88 @@ class ChatClient:
         """Send one streamed chat request and time every chunk. Never raises for HTTP trouble.
 
         Pass `result` to watch chunks arrive while the request runs; set `stop` to end the
-        stream early (the result is then marked `stopped`, not failed).
+        stream early (the result is then marked `stopped`, not failed). A stream of the wrong
+        shape is closed at once and the result says why.
         """
         result = result if result is not None else RequestResult()
-        state = _StreamState(result)
+        state = StreamState(result)
         payload = json.dumps(body).encode()
         clock = time.perf_counter
         result.t_sent = clock()
         try:
             async with self._http.request("POST", "/v1/chat/completions", payload) as response:
                 result.status = response.status
-                if response.status != 200:
-                    result.error = _error_text(response.status, await response.read())
-                    result.t_end = clock()
-                    return result
-                if stop is None:
-                    await response.stream(state.feed)
-                else:
-                    def feed_or_stop(data: bytes, now: float) -> None:
-                        state.feed(data, now)
-                        if stop.is_set() and not result.stopped:
-                            result.stopped = True
-                            response.abort()
-
-                    try:
-                        await response.stream(feed_or_stop)
-                    except HTTPError:
-                        if not result.stopped:  # closing it ourselves is not a failure
-                            raise
-                state.finish(clock())
+                await self._read_stream(response, state, stop)
         except HTTPTimeoutError as exc:
-            result.error = f"timed out: {exc}"
+            result.error = result.error or f"timed out: {exc}"
         except HTTPError as exc:
-            result.error = f"connection failed: {exc}"
+            if not state.broken:  # closing a broken stream ourselves is not the failure
+                result.error = result.error or f"connection failed: {exc}"
         result.t_end = clock()
-        state.close(self.tokenizer)
+        try:
+            state.close(self.tokenizer)
+        except Exception as exc:  # the tokenizer is third-party code: name it, do not crash
+            result.error = result.error or f"counting tokens failed: {exc}"
         if result.error is None and not state.done and not result.stopped:
             result.error = "stream ended without [DONE] (connection cut or server dropped it)"
+        check_against_request(result, body)
         return result
+
+    async def _read_stream(self, response: Response, state: StreamState,
+                           stop: asyncio.Event | None) -> None:
+        result = state.result
+        if response.status != 200:
+            result.error = _error_text(response.status, await response.read())
+            return
+        ctype = response.content_type
+        if ctype and ctype != "text/event-stream":
+            note = " (does the server ignore \"stream\": true?)" if _is_json(ctype) else ""
+            result.error = unexpected_body(response.status, ctype, await response.read(),
+                                           "an event stream") + note
+            return
+
+        def feed(data: bytes, now: float) -> None:
+            state.feed(data, now)
+            if state.broken:
+                response.abort()
+            elif stop is not None and stop.is_set() and not result.stopped:
+                result.stopped = True
+                response.abort()
+
+        try:
+            await response.stream(feed)
+        except HTTPError:
+            if not result.stopped and not state.broken:
+                raise
+        state.finish(time.perf_counter())
 
     async def chat(self, body: dict[str, Any]) -> tuple[int, dict[str, Any] | None, str | None]:
         """Non-streamed chat: (status, parsed body, error text)."""
         payload = dict(body, stream=False)
         payload.pop("stream_options", None)
         try:
-            status, raw = await self._http.post("/v1/chat/completions",
-                                                json.dumps(payload).encode())
+            status, ctype, raw = await self._fetch("POST", "/v1/chat/completions",
+                                                   json.dumps(payload).encode())
+        except HTTPTimeoutError as exc:
+            return 0, None, f"timed out: {exc}"
         except HTTPError as exc:
             return 0, None, f"connection failed: {exc}"
         if status != 200:
             return status, None, _error_text(status, raw)
+        if not _is_json(ctype):
+            return status, None, unexpected_body(status, ctype, raw, "a JSON answer")
         try:
             data = json.loads(raw)
         except ValueError:
             return status, None, "response is not JSON"
-        if not isinstance(data, dict):
-            return status, None, "response is not a JSON object"
+        shape = _answer_shape(data)
+        if shape is not None:
+            return status, None, f"malformed answer: {shape}"
+        limit = payload.get("max_completion_tokens", payload.get("max_tokens"))
+        produced = (data.get("usage") or {}).get("completion_tokens")
+        if isinstance(limit, int) and isinstance(produced, int) and produced > limit:
+            return status, None, (f"invalid result: the server reported {produced} completion "
+                                  f"tokens for max_tokens {limit}")
         return status, data, None
 
 

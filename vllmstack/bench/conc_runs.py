@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from typing import Any
 
 from vllmstack.bench.client import RequestResult
 from vllmstack.bench.ladders import conc_ladder
-from vllmstack.bench.session import RunError, Session, progress_line, summarize_results, user
+from vllmstack.bench.prompts import Prompt
+from vllmstack.bench.session import (
+    RunError,
+    Session,
+    progress_line,
+    steady_heap,
+    summarize_results,
+    user,
+)
 
 
 async def run_conc(session: Session, max_num_seqs: int | None) -> list[dict[str, Any]]:
@@ -34,32 +43,35 @@ async def run_conc(session: Session, max_num_seqs: int | None) -> list[dict[str,
 async def run_conc_level(session: Session, level: int, pp: int, tg: int) -> dict[str, Any]:
     """`level` workers, each sending its next request as soon as the last ends, for a duration.
 
-    Prompts are built before the clock starts (building one costs ~1 ms of the single event
-    loop, which would otherwise show up as jitter in every other stream's timestamps).
+    What one stream measures must not depend on the loop around it: prompts are built before the
+    clock starts (building one costs ~1 ms of the single event loop, which would otherwise show
+    up as jitter in every other stream's timestamps), the heap is frozen as in `bench`, and a
+    re-used prompt only swaps its leading marker for a fresh random one of the same length. (A
+    marker made from the worker and sequence numbers repeated across runs, so a second run
+    against the same server got prefix-cache hits and a TTFT that was mostly cache.)
     """
     opts = session.options
     per_worker = 4
-    pool = [session.builder.build(pp).text for _ in range(level * per_worker)]
+    pool = [session.builder.build(pp) for _ in range(level * per_worker)]
     results: list[tuple[int, int, RequestResult]] = []
-    start = time.perf_counter()
-    stop_at = start + opts.duration_s
 
-    async def worker(index: int) -> None:
+    async def worker(index: int, stop_at: float) -> None:
         sequence = 0
         while time.perf_counter() < stop_at:
-            text = pool[(index * per_worker + sequence) % len(pool)]
-            if sequence >= per_worker:
-                # Re-used prompt: a fresh leading marker keeps it out of the prefix cache.
-                text = f"[{index:03d}-{sequence:05d}]" + text[text.find("]") + 1:]
+            prompt = pool[(index * per_worker + sequence) % len(pool)]
+            text = prompt.text if sequence < per_worker else fresh_marker(prompt)
             result = await session.send(user(text), tg)
             results.append((index, sequence, result))
             sequence += 1
             if not result.ok:
                 await asyncio.sleep(0.05)  # do not spin on a failing server
 
-    async with asyncio.TaskGroup() as group:
-        for i in range(level):
-            group.create_task(worker(i))
+    with steady_heap():
+        start = time.perf_counter()
+        stop_at = start + opts.duration_s
+        async with asyncio.TaskGroup() as group:
+            for i in range(level):
+                group.create_task(worker(i, stop_at))
     # Steady state starts once every worker's first request is decoding and ends when workers
     # stop sending; only tokens that arrived inside it count toward the total rate.
     firsts = [r.t_first_token for i, s, r in results if s == 0 and r.t_first_token is not None]
@@ -88,3 +100,12 @@ async def run_conc_level(session: Session, level: int, pp: int, tg: int) -> dict
                      f"{row['requests']} requests")
     return row
 
+
+
+def fresh_marker(prompt: Prompt) -> str:
+    """The prompt's text behind a new random marker of the same length (no cache hit)."""
+    marker = prompt.marker
+    if marker and prompt.text.startswith(marker):
+        return f"[{uuid.uuid4().hex[:len(marker) - 2]}]" + prompt.text[len(marker):]
+    # A prompt too short to carry a marker: prefixing one is all that can be done.
+    return f"[{uuid.uuid4().hex[:12]}] " + prompt.text

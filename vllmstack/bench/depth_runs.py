@@ -11,7 +11,14 @@ from typing import Any
 
 from vllmstack.bench.client import RequestResult
 from vllmstack.bench.ladders import depth_ladder
-from vllmstack.bench.session import RunError, Session, progress_line, summarize_results, user
+from vllmstack.bench.session import (
+    RunError,
+    Session,
+    pp_estimate,
+    progress_line,
+    summarize_results,
+    user,
+)
 from vllmstack.bench.stats import summarize
 from vllmstack.observe.metrics import MetricsSnapshot
 
@@ -90,17 +97,16 @@ async def _depth_blended(session: Session, depth: int, pp: int, tg: int) -> dict
 
 async def _depth_two_phase(session: Session, depth: int, pp: int, tg: int) -> dict[str, Any]:
     results: list[RequestResult] = []
-    pp_values: list[float | None] = []
-    ctx_pp: list[float | None] = []
+    pp_pairs: list[tuple[int | None, float | None]] = []
+    ctx_pairs: list[tuple[int | None, float | None]] = []
     hits: list[float] = []
     all_hit = True
-    overhead = session.overhead
     for _ in range(session.options.runs):
         context = session.builder.build(depth)
         system = {"role": "system", "content": context.text}
         load = await session.send([system, {"role": "user", "content": "."}], 1)
-        if load.ok and overhead:
-            ctx_pp.append(overhead.pp_rate(load.prompt_tokens, load.ttft_s))
+        if load.ok:
+            ctx_pairs.append((load.prompt_tokens, load.ttft_s))
         before = await session.metrics()
         question = session.builder.build(pp)
         result = await session.send([system, {"role": "user", "content": question.text}], tg)
@@ -116,7 +122,6 @@ async def _depth_two_phase(session: Session, depth: int, pp: int, tg: int) -> di
                          "vllm:prefix_cache_hits counter is missing or moved by other traffic); "
                          f"pp at depth {depth} is not reported")
             all_hit = False
-            pp_values.append(None)
             continue
         if cached < CACHE_HIT_SHARE * depth:
             session.warn(f"depth {depth}: the prefix cache served only {cached:.0f} of "
@@ -124,11 +129,12 @@ async def _depth_two_phase(session: Session, depth: int, pp: int, tg: int) -> di
             all_hit = False
         hits.append(cached)
         fresh = (result.prompt_tokens or 0) - int(cached)
-        pp_values.append(overhead.pp_rate(fresh, result.ttft_s) if overhead else None)
+        pp_pairs.append((fresh, result.ttft_s))
     row = summarize_results(session, results, pp=pp, tg=tg, depth=depth, concurrency=1,
-                            pp_values=pp_values)
+                            pp_pairs=pp_pairs)
     row["mode"] = "two-phase" if all_hit else "blended"
-    row["ctx_pp_tps"] = summarize([v for v in ctx_pp if v is not None])
+    # The context load's prefill rate: the same estimate, over the load requests.
+    row["ctx_pp_tps"] = pp_estimate(session.overhead, ctx_pairs)["pp_tps"]
     row["cache_hit_tokens"] = summarize(hits)
     session.progress(progress_line(row, f"d{depth} ({row['mode']})"))
     return row

@@ -8,8 +8,13 @@ costs one event-loop callback, not a chain of coroutine wake-ups (125 µs -> ~30
 chunk here), and the arrival time is taken inside that callback, as early as Python can.
 
 Scope: keep-alive connections, TCP_NODELAY, Content-Length / chunked / close-delimited bodies,
-optional TLS, an idle timeout. No redirects, compression or proxies: the endpoint is a local
-inference server.
+optional TLS, one total deadline per request. No redirects, compression or proxies: the endpoint
+is a local inference server.
+
+Bad servers: the deadline counts from the moment the request starts, so a server that keeps the
+connection busy (SSE keep-alive comments, one byte a second) cannot hold a request past it. The
+parser touches every byte once: a body trickled in one-byte reads costs linear time, never a
+re-join of everything buffered so far.
 """
 
 from __future__ import annotations
@@ -24,6 +29,11 @@ from urllib.parse import urlsplit
 
 Sink = Callable[[bytes, float], None]
 MAX_HEAD = 1 << 20
+MAX_LINE = 1 << 16  # a chunk-size or trailer line; real ones are a few bytes
+MAX_BODY = 64 << 20  # what `read()` keeps; a /metrics page is ~100 KB
+
+# Chunked-body parser states.
+_SIZE, _DATA, _DATA_END, _TRAILER = range(4)
 
 
 class HTTPError(OSError):
@@ -31,7 +41,7 @@ class HTTPError(OSError):
 
 
 class HTTPTimeoutError(HTTPError):
-    """No bytes within the idle timeout."""
+    """The request did not complete within its total deadline."""
 
 
 class _Protocol(asyncio.Protocol):
@@ -41,7 +51,6 @@ class _Protocol(asyncio.Protocol):
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.closed = False
-        self.last_activity = time.monotonic()
         self._reset()
 
     def _reset(self) -> None:
@@ -49,7 +58,8 @@ class _Protocol(asyncio.Protocol):
         self.head_future: asyncio.Future[None] = loop.create_future()
         self.body_future: asyncio.Future[None] = loop.create_future()
         self.sink: Sink | None = None
-        self.buffer = b""
+        self.head = bytearray()  # the response head while it is incomplete
+        self.scanned = 0  # how much of `head` has been searched for the blank line
         self.status = 0
         self.headers: dict[str, str] = {}
         self.in_body = False
@@ -57,8 +67,12 @@ class _Protocol(asyncio.Protocol):
         self.remaining: int | None = None
         self.complete = False
         self.head_time = 0.0
+        self.state = _SIZE
+        self.chunk_left = 0
+        self.line = bytearray()  # a chunk-size or trailer line split across reads
         # Body pieces that arrive before a sink is attached keep their own arrival times.
         self.pending: list[tuple[bytes, float]] = []
+        self.pending_bytes = 0
 
     # asyncio callbacks -------------------------------------------------------------------
 
@@ -72,9 +86,13 @@ class _Protocol(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         now = time.perf_counter()
-        self.last_activity = time.monotonic()
         try:
-            self._parse(self.buffer + data if self.buffer else data, now)
+            if not self.in_body:
+                data = self._take_head(data, now)
+                if not data or self.complete:
+                    return
+            if not self.complete:
+                self._parse_body(data, now)
         except HTTPError as exc:
             self._fail(exc)
             if self.transport is not None:
@@ -98,41 +116,28 @@ class _Protocol(asyncio.Protocol):
 
     # parsing -------------------------------------------------------------------------------
 
-    def _parse(self, buf: bytes, now: float) -> None:
-        if not self.in_body:
-            end = buf.find(b"\r\n\r\n")
-            if end < 0:
-                if len(buf) > MAX_HEAD:
-                    raise HTTPError("response headers larger than 1 MiB")
-                self.buffer = buf
-                return
-            self._parse_head(buf[:end])
-            self.head_time = now
-            buf = buf[end + 4:]
-            self.in_body = True
-            if self.remaining == 0 or self.status in (204, 304):
-                self.complete = True
-            if not self.head_future.done():
-                self.head_future.set_result(None)
-            if self.complete:
-                self.buffer = b""
-                self._finish()
-                return
-        if self.chunked:
-            self._parse_chunked(buf, now)
-            return
-        if self.remaining is not None:
-            if len(buf) >= self.remaining:
-                buf = buf[:self.remaining]  # nothing may follow: we sent one request
-                self.remaining = 0
-                self.complete = True
-            else:
-                self.remaining -= len(buf)
-        self.buffer = b""
-        if buf:
-            self._deliver(buf, now)
+    def _take_head(self, data: bytes, now: float) -> bytes:
+        """Collect the head; returns the body bytes that came with it (b"" while incomplete)."""
+        self.head += data
+        # Resume the search where the last one stopped (minus a split "\r\n\r\n").
+        end = self.head.find(b"\r\n\r\n", max(0, self.scanned - 3))
+        if end < 0:
+            if len(self.head) > MAX_HEAD:
+                raise HTTPError("response headers larger than 1 MiB")
+            self.scanned = len(self.head)
+            return b""
+        rest = bytes(self.head[end + 4:])
+        self._parse_head(bytes(self.head[:end]))
+        self.head = bytearray()
+        self.head_time = now
+        self.in_body = True
+        if self.remaining == 0 or self.status in (204, 304):
+            self.complete = True
+        if not self.head_future.done():
+            self.head_future.set_result(None)
         if self.complete:
             self._finish()
+        return rest
 
     def _parse_head(self, head: bytes) -> None:
         lines = head.decode("latin-1").split("\r\n")
@@ -150,40 +155,83 @@ class _Protocol(asyncio.Protocol):
                 self.remaining = int(length)
             except ValueError as exc:
                 raise HTTPError(f"bad content-length {length!r}") from exc
+            if self.remaining < 0:
+                raise HTTPError(f"bad content-length {length!r}")
 
-    def _parse_chunked(self, buf: bytes, now: float) -> None:
-        pos = 0
+    def _parse_body(self, data: bytes, now: float) -> None:
+        if self.chunked:
+            self._parse_chunked(data, now)
+            return
+        if self.remaining is not None:
+            if len(data) >= self.remaining:
+                data = data[:self.remaining]  # nothing may follow: we sent one request
+                self.remaining = 0
+                self.complete = True
+            else:
+                self.remaining -= len(data)
+        if data:
+            self._deliver(data, now)
+        if self.complete:
+            self._finish()
+
+    def _parse_chunked(self, data: bytes, now: float) -> None:
+        """One pass over `data`: chunk payload goes out as it arrives, even mid-chunk."""
+        pos, end = 0, len(data)
         out: list[bytes] = []
-        while True:
-            eol = buf.find(b"\r\n", pos)
-            if eol < 0:
-                break
-            try:
-                size = int(buf[pos:eol].split(b";", 1)[0], 16)
-            except ValueError as exc:
-                raise HTTPError(f"bad chunk size line {buf[pos:eol][:40]!r}") from exc
-            if size == 0:
-                tail = buf[eol + 2:]
-                if tail.startswith(b"\r\n") or b"\r\n\r\n" in tail:
-                    self.complete = True
-                    pos = len(buf)
-                break
-            start = eol + 2
-            if len(buf) < start + size + 2:
-                break
-            out.append(buf[start:start + size])
-            pos = start + size + 2
-        self.buffer = buf[pos:]
+        while pos < end and not self.complete:
+            if self.state == _DATA:
+                take = min(self.chunk_left, end - pos)
+                out.append(data[pos:pos + take])
+                pos += take
+                self.chunk_left -= take
+                if self.chunk_left == 0:
+                    self.state, self.chunk_left = _DATA_END, 2
+            elif self.state == _DATA_END:
+                take = min(self.chunk_left, end - pos)  # the CRLF after a chunk's data
+                pos += take
+                self.chunk_left -= take
+                if self.chunk_left == 0:
+                    self.state = _SIZE
+            else:
+                eol = data.find(b"\n", pos)
+                if eol < 0:
+                    self.line += data[pos:]
+                    if len(self.line) > MAX_LINE:
+                        raise HTTPError("chunk-size line longer than 64 KiB")
+                    break
+                line = bytes(self.line) + data[pos:eol] if self.line else data[pos:eol]
+                self.line = bytearray()
+                pos = eol + 1
+                self._chunk_line(line.rstrip(b"\r"))
         if out:
             self._deliver(out[0] if len(out) == 1 else b"".join(out), now)
         if self.complete:
             self._finish()
 
+    def _chunk_line(self, line: bytes) -> None:
+        if self.state == _TRAILER:
+            if not line:
+                self.complete = True  # the blank line after the last chunk
+            return
+        try:
+            size = int(line.split(b";", 1)[0], 16)
+        except ValueError as exc:
+            raise HTTPError(f"bad chunk size line {line[:40]!r}") from exc
+        if size < 0:
+            raise HTTPError(f"bad chunk size line {line[:40]!r}")
+        if size == 0:
+            self.state = _TRAILER
+        else:
+            self.state, self.chunk_left = _DATA, size
+
     def _deliver(self, data: bytes, now: float) -> None:
         if self.sink is not None:
             self.sink(data, now)
-        else:
-            self.pending.append((data, now))
+            return
+        self.pending_bytes += len(data)
+        if self.pending_bytes > MAX_BODY:
+            raise HTTPError(f"response body larger than {MAX_BODY >> 20} MiB")
+        self.pending.append((data, now))
 
     def _finish(self) -> None:
         if not self.head_future.done():
@@ -201,8 +249,9 @@ class _Protocol(asyncio.Protocol):
 class Response:
     """Status and headers of a response whose body is still arriving."""
 
-    def __init__(self, protocol: _Protocol, timeout_s: float) -> None:
+    def __init__(self, protocol: _Protocol, deadline: float, timeout_s: float) -> None:
         self._protocol = protocol
+        self._deadline = deadline
         self._timeout_s = timeout_s
         self.status = protocol.status
         self.headers = protocol.headers
@@ -211,6 +260,11 @@ class Response:
     def complete(self) -> bool:
         return self._protocol.complete
 
+    @property
+    def content_type(self) -> str:
+        """The media type without parameters, lower-cased ("" when the server sent none)."""
+        return self.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+
     async def stream(self, sink: Sink) -> None:
         """Deliver body pieces to `sink(data, perf_counter_time)` until the body is complete.
 
@@ -218,13 +272,14 @@ class Response:
         """
         protocol = self._protocol
         early, protocol.pending = protocol.pending, []
+        protocol.pending_bytes = 0
         for data, at in early:
             sink(data, at)
         protocol.sink = sink
-        await _wait(protocol, protocol.body_future, self._timeout_s)
+        await _wait(protocol, protocol.body_future, self._deadline, self._timeout_s)
 
     async def read(self) -> bytes:
-        await _wait(self._protocol, self._protocol.body_future, self._timeout_s)
+        await _wait(self._protocol, self._protocol.body_future, self._deadline, self._timeout_s)
         parts, self._protocol.pending = self._protocol.pending, []
         return b"".join(data for data, _ in parts)
 
@@ -234,21 +289,21 @@ class Response:
             self._protocol.transport.close()
 
 
-async def _wait(protocol: _Protocol, future: asyncio.Future[None], idle_s: float) -> None:
-    """Wait for `future`, failing when the connection has been silent for `idle_s` seconds.
+async def _wait(protocol: _Protocol, future: asyncio.Future[None], deadline: float,
+                timeout_s: float) -> None:
+    """Wait for `future` until the request's deadline; then close the connection and fail.
 
-    The idle check runs once per second at most, never per chunk.
+    Bytes arriving do not move the deadline (one timer per wait, nothing per chunk).
     """
-    step = min(1.0, idle_s)
-    while True:
-        done, _ = await asyncio.wait([future], timeout=step)
-        if done:
-            future.result()
-            return
-        if time.monotonic() - protocol.last_activity > idle_s:
-            if protocol.transport is not None:
-                protocol.transport.close()
-            raise HTTPTimeoutError(f"no data for {idle_s:g} s")
+    left = deadline - time.monotonic()
+    if not future.done() and left > 0:
+        await asyncio.wait([future], timeout=left)
+    if future.done():
+        future.result()
+        return
+    if protocol.transport is not None:
+        protocol.transport.close()
+    raise HTTPTimeoutError(f"no complete response within {timeout_s:g} s (--timeout)")
 
 
 class HTTPClient:
@@ -272,7 +327,7 @@ class HTTPClient:
         self._idle: list[_Protocol] = []
         self._closed = False
 
-    async def _connect(self) -> _Protocol:
+    async def _connect(self, deadline: float) -> _Protocol:
         while self._idle:
             protocol = self._idle.pop()
             if not protocol.closed and protocol.transport is not None \
@@ -280,10 +335,10 @@ class HTTPClient:
                 protocol._reset()
                 return protocol
         loop = asyncio.get_running_loop()
+        limit = max(0.0, min(self.connect_timeout_s, deadline - time.monotonic()))
         try:
             _, protocol = await asyncio.wait_for(
-                loop.create_connection(_Protocol, self.host, self.port, ssl=self.tls),
-                self.connect_timeout_s)
+                loop.create_connection(_Protocol, self.host, self.port, ssl=self.tls), limit)
         except TimeoutError as exc:
             raise HTTPTimeoutError(f"connecting to {self.host}:{self.port} timed out") from exc
         except OSError as exc:
@@ -297,21 +352,21 @@ class HTTPClient:
 
         No retries: a request the server read and then dropped must surface as a failure
         (stability runs count them). The connection goes back to the pool only when the body
-        was read to the end.
+        was read to the end. The whole exchange, connecting included, ends by `timeout_s`.
         """
         if self._closed:
             raise HTTPError("client is closed")
+        deadline = time.monotonic() + self.timeout_s
         head = f"{method} {self.prefix}{path} HTTP/1.1\r\n{self._head}"
         if body is not None:
             head += f"content-type: {content_type}\r\ncontent-length: {len(body)}\r\n"
         payload = (head + "\r\n").encode("latin-1") + (body or b"")
-        protocol = await self._connect()
+        protocol = await self._connect(deadline)
         try:
             assert protocol.transport is not None
             protocol.transport.write(payload)
-            protocol.last_activity = time.monotonic()
-            await _wait(protocol, protocol.head_future, self.timeout_s)
-            response = Response(protocol, self.timeout_s)
+            await _wait(protocol, protocol.head_future, deadline, self.timeout_s)
+            response = Response(protocol, deadline, self.timeout_s)
         except BaseException:
             if protocol.transport is not None:
                 protocol.transport.close()

@@ -8,6 +8,11 @@ options the user gave, so every default lives here and nowhere else.
 
 Some options exist only for `python -m vllmstack.bench` (`task=False`): the invoke tasks keep the
 flags they always had.
+
+Numbers are checked where they are parsed: every bound is declared here (`minimum`, `above`) and a
+value outside it -- `--runs 0`, `--duration 0`, `--timeout nan`, `--margin -1` -- is an argparse
+error naming the flag. Nothing is silently replaced by its default: an invoke task hands a 0 on
+as 0, and 0 is either a legal value (`--margin 0`, `--depth 0`) or refused.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -70,6 +76,20 @@ class Option:
     group: str | None = None  # argparse help section
     task: bool = True  # False: `python -m vllmstack.bench` only, not offered by the invoke task
     task_single: bool = False  # the invoke task takes one value (the run uses only the first)
+    minimum: float | None = None  # numbers: the smallest value allowed...
+    above: bool = False  # ...or, when set, the value it must exceed
+
+    def parse(self, text: str) -> Any:
+        """argparse's type: convert, then refuse what is not finite or is out of bounds."""
+        value = self.value_type(text)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+        low = self.minimum
+        if low is not None and isinstance(value, int | float) and (
+                value < low or (self.above and value == low)):
+            need = "more than" if self.above else "at least"
+            raise argparse.ArgumentTypeError(f"must be {need} {low:g}, got {text}")
+        return value
 
     @property
     def flag_name(self) -> str:
@@ -142,28 +162,32 @@ TOKENIZER = Option("tokenizer", "tokenizer.json, model folder or cached HF id "
 API_KEY = Option("api_key", "Bearer token (default: $VLLM_API_KEY)", group=TARGET, task=False)
 MAX_NUM_SEQS = Option("max_num_seqs", "the server's max_num_seqs: top of the concurrency "
                       "ladder, load of the probes (default: VLLM_MAX_NUM_SEQS)", value_type=int,
-                      group=TARGET, task=False)
+                      group=TARGET, task=False, minimum=1)
 PROFILE = Option("profile", "model profile when targeting the stack (env/models/NAME.env)",
                  group=TARGET)
 PLATFORM = Option("platform", "platform layer when targeting the stack", group=TARGET)
 SET = Option("set", "profile override KEY=VALUE, repeatable", repeat="flags", default=(),
              metavar="KEY=VALUE", group=TARGET)
-TIMEOUT = Option("timeout", "seconds per request", value_type=float, default=600.0, group=TARGET,
-                 task=False)
+TIMEOUT = Option("timeout", "total seconds per request, start to last byte; a server that keeps "
+                 "the connection busy (keep-alive comments, trickled bytes) cannot extend it",
+                 value_type=float, default=600.0, group=TARGET, minimum=0, above=True)
 HISTORY_DIR = Option("history_dir", "history folder (default: benchmarks/)", value_type=Path)
 NO_HISTORY = Option("no_history", "do not append to history", flag=True, task=False)
 JSON = Option("json", "print one JSON document on stdout (progress goes to stderr)", flag=True)
 
-PP = Option("pp", "prompt tokens, repeatable", value_type=int, default=(2048,), repeat="values")
-TG = Option("tg", "generated tokens, repeatable", value_type=int, default=(128,), repeat="values")
+PP = Option("pp", "prompt tokens, repeatable", value_type=int, default=(2048,), repeat="values",
+            minimum=1)
+TG = Option("tg", "generated tokens, repeatable", value_type=int, default=(128,), repeat="values",
+            minimum=1)
 # depth and conc measure one shape: they use the first value, and their tasks take one.
 PP_ONE = replace(PP, help="prompt tokens", task_single=True)
 TG_ONE = replace(TG, help="generated tokens", task_single=True)
-RUNS = Option("runs", "measured runs per cell", value_type=int, default=3)
+RUNS = Option("runs", "measured runs per cell", value_type=int, default=3, minimum=1)
 NO_WARMUP = Option("no_warmup", "skip the warm-up request", flag=True, task=False)
 EXTRA_BODY = Option("extra_body", "JSON object merged into every request", default="{}")
 SEED = Option("seed", "prompt text position seed", value_type=int, default=0, task=False)
-DURATION = Option("duration", "closed-loop seconds per level", value_type=float, default=30.0)
+DURATION = Option("duration", "closed-loop seconds per level", value_type=float, default=30.0,
+                  minimum=0, above=True)
 # Accepted by every run kind, so one option set starts any of them (the dashboard relies on it).
 UNUSED_DURATION = replace(DURATION, help="used by conc only; accepted so every run kind takes "
                           "the same options", task=False)
@@ -171,7 +195,9 @@ PARAM = Option("param", "setting KEY=VALUE, repeatable", value_type=param_pair, 
                default=(), short="-p", metavar="KEY=VALUE")
 
 TARGET_OPTIONS = (URL, MODEL, TOKENIZER, API_KEY, MAX_NUM_SEQS)
-PROFILE_OPTIONS = (PROFILE, PLATFORM, SET, TIMEOUT, HISTORY_DIR, NO_HISTORY, JSON)
+# --timeout comes last: invoke gives short flags in parameter order, and the flags the tasks had
+# before it was offered there (-j for --json, ...) stay as they were.
+PROFILE_OPTIONS = (PROFILE, PLATFORM, SET, HISTORY_DIR, NO_HISTORY, JSON, TIMEOUT)
 
 # The order of each tuple is the order of the task's parameters, from which invoke derives the
 # tasks' short flags (-u, -m, -t, ...): reordering would change them.
@@ -187,11 +213,11 @@ COMMANDS = (
              # long ladder re-fills a deep context).
              replace(RUNS, help="measured runs per depth", default=2),
              Option("depth", "explicit depth, repeatable (default: ladder from the live "
-                    "max_model_len)", value_type=int, repeat="values"),
+                    "max_model_len)", value_type=int, repeat="values", minimum=0),
              Option("prefix_caching", "auto | on (two-phase, cache hit checked) | off (blended); "
                     "auto reads /metrics", default="auto", choices=lambda: ("auto", "on", "off")),
              Option("margin", "tokens kept free at the top of the window", value_type=int,
-                    default=DEFAULT_MARGIN),
+                    default=DEFAULT_MARGIN, minimum=0),
              NO_WARMUP, EXTRA_BODY, SEED, UNUSED_DURATION, *PROFILE_OPTIONS),
             aliases=("bench-depth",)),
     Command("conc", "bench-conc",
@@ -200,7 +226,7 @@ COMMANDS = (
              replace(RUNS, help="not used by conc (--duration sets the sample); accepted so every "
                      "run kind takes the same options", task=False),
              Option("concurrency", "explicit level, repeatable (default: ladder up to "
-                    "max_num_seqs)", value_type=int, repeat="values"),
+                    "max_num_seqs)", value_type=int, repeat="values", minimum=1),
              DURATION, replace(MAX_NUM_SEQS, task=True), NO_WARMUP, EXTRA_BODY, SEED,
              *PROFILE_OPTIONS),
             aliases=("bench-conc",)),
@@ -215,16 +241,18 @@ COMMANDS = (
             "Stability run with a pass/fail table; exit 0 pass, 1 fail, 2 inconclusive.",
             (Option("mode", "smoke | stress | long", positional=True, choices=_stability_modes),
              *TARGET_OPTIONS,
-             Option("workers", "stress: parallel workers (default 2)", value_type=int),
-             Option("requests", "stress: requests per worker (default 200)", value_type=int),
-             Option("max_tokens", "tokens per answer", value_type=int),
-             Option("runs", "long: runs (default 3)", value_type=int),
+             Option("workers", "stress: parallel workers (default 2)", value_type=int,
+                    minimum=1),
+             Option("requests", "stress: requests per worker (default 200)", value_type=int,
+                    minimum=1),
+             Option("max_tokens", "tokens per answer", value_type=int, minimum=1),
+             Option("runs", "long: runs (default 3)", value_type=int, minimum=1),
              replace(PARAM, help="other setting KEY=VALUE, e.g. context_tokens=30000"),
              *PROFILE_OPTIONS)),
     Command("report", "report", "Markdown tables (and PNG charts) from the benchmark history.",
             (Option("kind", "bench | depth | conc | probe | stability, repeatable (default: all)",
                     default=KINDS, repeat="values", choices=lambda: KINDS),
-             Option("last", "records per kind", value_type=int, default=20),
+             Option("last", "records per kind", value_type=int, default=20, minimum=1),
              Option("out", "write the markdown to this file (charts next to it)", value_type=Path),
              Option("png", "also draw PNG charts (next to --out, else generated/report/)",
                     flag=True),
@@ -261,7 +289,9 @@ def add_arguments(parser: argparse.ArgumentParser, cmd: Command) -> None:
             target.add_argument(*names, action="store_true", **kwargs)
             continue
         default = list(opt.default) if isinstance(opt.default, tuple) else opt.default
-        kwargs.update(type=opt.value_type, default=default)
+        checked = opt.value_type in (int, float) or opt.minimum is not None
+        kwargs.update(type=_named(opt.parse, opt.value_type) if checked else opt.value_type,
+                      default=default)
         if opt.metavar:
             kwargs["metavar"] = opt.metavar
         if opt.repeat == "values":
@@ -269,6 +299,16 @@ def add_arguments(parser: argparse.ArgumentParser, cmd: Command) -> None:
         elif opt.repeat == "flags":
             kwargs["action"] = "append"
         target.add_argument(*names, **kwargs)
+
+
+def _named(parse: Callable[[str], Any], like: Callable[[str], Any]) -> Callable[[str], Any]:
+    """`parse`, under the name argparse quotes for a value it cannot convert ("invalid int")."""
+
+    def checked(text: str) -> Any:
+        return parse(text)
+
+    checked.__name__ = getattr(like, "__name__", "value")
+    return checked
 
 
 def task_argv(cmd: Command, values: Mapping[str, Any]) -> list[str]:

@@ -1,11 +1,16 @@
-"""Markdown tables and PNG charts from benchmark history."""
+"""Markdown tables and PNG charts from benchmark history.
+
+A record that cannot be rendered (a field of the wrong type, a row that is not an object: a
+hand-edited file, a record from a tool with another schema) is skipped with a warning that names
+it and the reason; the rest of the report is still written.
+"""
 
 from __future__ import annotations
 
 import datetime as dt
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +45,14 @@ def _spread(row: dict[str, Any], key: str, fmt: str = ".1f") -> str:
     return f"{format(s['mean'], fmt)} ± {format(s.get('std', 0.0), fmt)}"
 
 
+def _pp(row: dict[str, Any], mean_only: bool = False) -> str:
+    """pp t/s with its uncertainty, or why there is no number ("below resolution")."""
+    if isinstance(row.get("pp_tps"), dict):
+        return _mean(row, "pp_tps", ".0f") if mean_only else _spread(row, "pp_tps", ".0f")
+    note = row.get("pp_note")
+    return str(note) if note else "-"
+
+
 def short_tokens(n: int) -> str:
     if n >= 1024 and n % 1024 == 0:
         return f"{n // 1024}K"
@@ -54,51 +67,81 @@ def _table(header: Sequence[str], rows: list[list[str]]) -> str:
     return "\n".join(out)
 
 
-def render_markdown(kind: str, records: list[dict[str, Any]]) -> str:
-    """One markdown section for a history kind (records oldest first)."""
-    title = f"## {kind} history ({len(records)} record{'s' if len(records) != 1 else ''})"
-    if not records:
-        return title + "\n\nNo records yet."
+def _results(rec: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = rec.get("results", [])
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise TypeError("results is not a list of objects")
+    return rows
+
+
+def record_rows(kind: str, rec: dict[str, Any]) -> list[list[str]]:
+    """The table rows of one record; raises (KeyError, TypeError, ValueError) when malformed."""
     rows: list[list[str]] = []
     if kind == "bench":
-        header = ["when", "profile", "model", "pp", "tg", "TTFT ms", "pp t/s", "tg t/s",
-                  "ITL p50/p99 ms", "failed"]
-        for rec in records:
-            for row in rec.get("results", []):
-                rows.append([_when(rec), str(rec.get("profile") or "-"), str(rec.get("model")),
-                             str(row.get("pp")), str(row.get("tg")), _spread(row, "ttft_ms"),
-                             _spread(row, "pp_tps", ".0f"), _spread(row, "tg_tps", ".2f"),
-                             f"{_pct(row, 'itl_ms', 'p50', '.2f')}/"
-                             f"{_pct(row, 'itl_ms', 'p99', '.2f')}", str(row.get("errors", 0))])
+        for row in _results(rec):
+            rows.append([_when(rec), str(rec.get("profile") or "-"), str(rec.get("model")),
+                         str(row.get("pp")), str(row.get("tg")), _spread(row, "ttft_ms"),
+                         _pp(row), _spread(row, "tg_tps", ".2f"),
+                         f"{_pct(row, 'itl_ms', 'p50', '.2f')}/"
+                         f"{_pct(row, 'itl_ms', 'p99', '.2f')}", str(row.get("errors", 0))])
     elif kind == "depth":
-        header = ["when", "model", "depth", "mode", "TTFT ms", "pp t/s", "ctx pp t/s",
-                  "tg t/s", "ITL p99 ms"]
-        for rec in records:
-            for row in rec.get("results", []):
-                rows.append([_when(rec), str(rec.get("model")), short_tokens(int(row["depth"])),
-                             str(row.get("mode", "-")), _mean(row, "ttft_ms"),
-                             _mean(row, "pp_tps", ".0f"), _mean(row, "ctx_pp_tps", ".0f"),
-                             _mean(row, "tg_tps", ".2f"), _pct(row, "itl_ms", "p99", ".2f")])
+        for row in _results(rec):
+            ctx = row.get("ctx_pp_tps")
+            rows.append([_when(rec), str(rec.get("model")), short_tokens(int(row["depth"])),
+                         str(row.get("mode", "-")), _mean(row, "ttft_ms"), _pp(row, True),
+                         _mean(row, "ctx_pp_tps", ".0f") if isinstance(ctx, dict) else "-",
+                         _mean(row, "tg_tps", ".2f"), _pct(row, "itl_ms", "p99", ".2f")])
     elif kind == "conc":
-        header = ["when", "model", "c", "total tg t/s", "tg t/s per request",
-                  "TTFT p50/p99 ms", "ITL p99 ms", "requests", "failed"]
-        for rec in records:
-            for row in rec.get("results", []):
-                total = row.get("total_tg_tps")
-                rows.append([_when(rec), str(rec.get("model")), str(row.get("concurrency")),
-                             f"{total:.1f}" if isinstance(total, (int, float)) else "-",
-                             _mean(row, "tg_tps", ".2f"),
-                             f"{_pct(row, 'ttft_ms', 'p50', '.0f')}/"
-                             f"{_pct(row, 'ttft_ms', 'p99', '.0f')}",
-                             _pct(row, "itl_ms", "p99", ".2f"), str(row.get("requests")),
-                             str(row.get("errors", 0))])
+        for row in _results(rec):
+            total = row.get("total_tg_tps")
+            rows.append([_when(rec), str(rec.get("model")), str(row.get("concurrency")),
+                         f"{total:.1f}" if isinstance(total, (int, float)) else "-",
+                         _mean(row, "tg_tps", ".2f"),
+                         f"{_pct(row, 'ttft_ms', 'p50', '.0f')}/"
+                         f"{_pct(row, 'ttft_ms', 'p99', '.0f')}",
+                         _pct(row, "itl_ms", "p99", ".2f"), str(row.get("requests")),
+                         str(row.get("errors", 0))])
     else:  # probe, stability
-        header = ["when", "model", "name", "verdict", "failed checks"]
-        for rec in records:
-            failed = [c["name"] for c in rec.get("checks", []) if c.get("verdict") == "fail"]
-            rows.append([_when(rec), str(rec.get("model")), str(rec.get("name")),
-                         str(rec.get("verdict", "?")).upper(), ", ".join(failed) or "-"])
-    return f"{title}\n\n{_table(header, rows)}"
+        checks = rec.get("checks", [])
+        if not isinstance(checks, list):
+            raise TypeError("checks is not a list")
+        failed = [str(c["name"]) for c in checks if c.get("verdict") == "fail"]
+        rows.append([_when(rec), str(rec.get("model")), str(rec.get("name")),
+                     str(rec.get("verdict", "?")).upper(), ", ".join(failed) or "-"])
+    return rows
+
+
+HEADERS = {
+    "bench": ["when", "profile", "model", "pp", "tg", "TTFT ms", "pp t/s", "tg t/s",
+              "ITL p50/p99 ms", "failed"],
+    "depth": ["when", "model", "depth", "mode", "TTFT ms", "pp t/s", "ctx pp t/s", "tg t/s",
+              "ITL p99 ms"],
+    "conc": ["when", "model", "c", "total tg t/s", "tg t/s per request", "TTFT p50/p99 ms",
+             "ITL p99 ms", "requests", "failed"],
+}
+PROBE_HEADER = ["when", "model", "name", "verdict", "failed checks"]
+
+
+def render_markdown(kind: str, records: list[dict[str, Any]],
+                    skipped: list[str] | None = None) -> str:
+    """One markdown section for a history kind (records oldest first).
+
+    Records that cannot be rendered are left out; `skipped` collects one line per such record.
+    """
+    rows: list[list[str]] = []
+    shown = 0
+    for number, rec in enumerate(records, start=1):
+        try:
+            rows.extend(record_rows(kind, rec))
+            shown += 1
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            name = rec.get("id") if isinstance(rec.get("id"), str) else f"#{number}"
+            if skipped is not None:
+                skipped.append(f"{kind} record {name}: {exc.__class__.__name__}: {exc}")
+    title = f"## {kind} history ({shown} record{'s' if shown != 1 else ''})"
+    if not shown:
+        return title + "\n\nNo records yet."
+    return f"{title}\n\n{_table(HEADERS.get(kind, PROBE_HEADER), rows)}"
 
 
 def chart_series(kind: str, records: list[dict[str, Any]], last: int = 5
@@ -109,11 +152,12 @@ def chart_series(kind: str, records: list[dict[str, Any]], last: int = 5
         x_key, y_key = ("depth", "tg_tps") if kind == "depth" else ("concurrency", "total_tg_tps")
         for rec in records[-last:]:
             points = []
-            for row in rec.get("results", []):
+            for row in _plottable(rec):
                 y = row.get(y_key)
                 y = y.get("mean") if isinstance(y, dict) else y
-                if isinstance(y, (int, float)):
-                    points.append((float(row[x_key]), float(y)))
+                x = row.get(x_key)
+                if isinstance(y, (int, float)) and isinstance(x, (int, float)):
+                    points.append((float(x), float(y)))
             if points:
                 series.append((f"{_when(rec)} {rec.get('model')}", sorted(points)))
         if kind == "depth":
@@ -122,14 +166,21 @@ def chart_series(kind: str, records: list[dict[str, Any]], last: int = 5
     if kind == "bench":
         by_shape: dict[str, list[tuple[float, float]]] = {}
         for index, rec in enumerate(records):
-            for row in rec.get("results", []):
+            for row in _plottable(rec):
                 tg = row.get("tg_tps")
-                if isinstance(tg, dict):
+                if isinstance(tg, dict) and isinstance(tg.get("mean"), (int, float)):
                     label = f"pp{row.get('pp')} tg{row.get('tg')}"
                     by_shape.setdefault(label, []).append((float(index), float(tg["mean"])))
         series = sorted(by_shape.items())
         return "run (oldest to newest)", "decode t/s", series
     return "", "", []
+
+
+def _plottable(rec: dict[str, Any]) -> list[dict[str, Any]]:
+    try:
+        return _results(rec)
+    except TypeError:
+        return []  # already reported by the table
 
 
 def _nice_step(span: float, ticks: int = 5) -> float:
@@ -202,18 +253,32 @@ def render_chart(title: str, x_label: str, y_label: str,
 
 
 def build_report(folder: Path, kinds: Sequence[str], *, last: int = 20,
-                 chart_dir: Path | None = None) -> tuple[str, list[Path]]:
-    """Markdown for the given kinds (last N records each) and the PNG charts written."""
+                 chart_dir: Path | None = None,
+                 warn: Callable[[str], None] | None = None) -> tuple[str, list[Path]]:
+    """Markdown for the given kinds (last N records each) and the PNG charts written.
+
+    `warn` hears about every unreadable line and skipped record (the markdown notes them too).
+    """
     sections = ["# Benchmark report"]
     charts: list[Path] = []
     for kind in kinds:
         path = history.history_path(folder, kind)
         content = history.read_file(path)
         records = content.records[-last:]
-        section = render_markdown(kind, records)
+        skipped: list[str] = []
+        section = render_markdown(kind, records, skipped)
         if content.skipped:
-            section += (f"\n\n({content.skipped} unreadable line(s) in {path.name} skipped: "
-                        f"lines {', '.join(map(str, content.skipped_lines[:10]))})")
+            note = (f"{content.skipped} unreadable line(s) in {path.name} skipped: "
+                    f"lines {', '.join(map(str, content.skipped_lines[:10]))}")
+            section += f"\n\n({note})"
+            if warn is not None:
+                warn(note)
+        if skipped:
+            section += (f"\n\n({len(skipped)} malformed record(s) in {path.name} skipped: "
+                        + "; ".join(skipped[:5]) + ")")
+            for line in skipped:
+                if warn is not None:
+                    warn(f"skipped malformed {line} (in {path})")
         if chart_dir is not None:
             x_label, y_label, series = chart_series(kind, records)
             if series:

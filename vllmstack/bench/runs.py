@@ -26,6 +26,7 @@ from vllmstack.bench.session import (
     Session,
     measure_overhead,
     progress_line,
+    steady_heap,
     summarize_results,
     user,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "Session",
     "execute",
     "find_served_model",
+    "live_max_model_len",
     "measure_overhead",
     "run_bench",
     "run_conc",
@@ -60,14 +62,19 @@ async def run_bench(session: Session) -> list[dict[str, Any]]:
                 # allocator growth) must not land in the first measured run.
                 await session.send(user(session.builder.build(pp).text), tg)
             results = []
-            for run in range(opts.runs):
-                prompt = session.builder.build(pp)
-                result = await session.send(user(prompt.text), tg)
-                results.append(result)
-                session.progress(
-                    f"bench pp={pp} tg={tg} run {run + 1}/{opts.runs}: "
-                    + (f"ttft {result.ttft_s * 1000:.1f} ms, tg {result.decode_tps or 0:.2f} t/s"
-                       if result.ok and result.ttft_s is not None else f"FAILED {result.error}"))
+            # Every prompt is built before the first request is timed, as the closed loop does:
+            # both then time the same thing, a request and nothing else.
+            prompts = [session.builder.build(pp).text for _ in range(opts.runs)]
+            with steady_heap():
+                for run, text in enumerate(prompts):
+                    result = await session.send(user(text), tg)
+                    results.append(result)
+                    session.progress(
+                        f"bench pp={pp} tg={tg} run {run + 1}/{opts.runs}: "
+                        + (f"ttft {result.ttft_s * 1000:.1f} ms, tg "
+                           f"{result.decode_tps or 0:.2f} t/s"
+                           if result.ok and result.ttft_s is not None
+                           else f"FAILED: {result.why}"))
             row = summarize_results(session, results, pp=pp, tg=tg, depth=0, concurrency=1)
             session.progress(progress_line(row, f"pp{pp} tg{tg}"))
             rows.append(row)
@@ -78,6 +85,14 @@ async def run_bench(session: Session) -> list[dict[str, Any]]:
 class Outcome:
     record: dict[str, Any]
     exit_code: int
+
+
+def live_max_model_len(entry: dict[str, Any]) -> int | None:
+    """The window a /v1/models entry reports, when it is a usable whole number."""
+    value = entry.get("max_model_len")
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        return None
+    return value
 
 
 async def find_served_model(client: ChatClient, model: str) -> dict[str, Any]:
@@ -117,7 +132,7 @@ async def execute(
     t0 = time.perf_counter()
     try:
         live = await find_served_model(client, target.model)
-        max_model_len = live.get("max_model_len") or target.max_model_len
+        max_model_len = live_max_model_len(live) or target.max_model_len
         server: dict[str, Any] = {"max_model_len": max_model_len}
         with contextlib.suppress(EndpointError, ValueError):
             version = await client.get_json("/version")

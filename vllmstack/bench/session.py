@@ -1,17 +1,32 @@
 """One benchmark session: the options, the client and prompts it uses, the per-request overhead and
 the summary row every run kind produces.
 
-pp t/s is overhead-corrected with a two-point estimate: a tiny request (a few prompt tokens, one
-output token) measures the fixed cost of a request -- HTTP, tokenisation, scheduling, the first
-decode step -- and pp = (P - P0) / (TTFT - TTFT0). Dividing the whole TTFT instead leaves that
-fixed cost inside and understates pp badly for short prompts; subtracting only a network round
-trip leaves most of it in as well.
+pp t/s is overhead-corrected with a two-point estimate: tiny requests (a few prompt tokens, one
+output token) measure the fixed cost of a request -- HTTP, tokenisation, scheduling, the first
+decode step -- and pp = (P - P0) / median(TTFT - TTFT0) over the runs. Dividing the whole TTFT
+instead leaves that fixed cost inside and understates pp badly for short prompts; subtracting only
+a network round trip leaves most of it in as well.
+
+Where the prefill is fast, that marginal time (TTFT - TTFT0) is a few milliseconds left after
+subtracting a 20-30 ms overhead, and noise in either term moves pp by multiples (one H200 showed
+147k t/s in one command and 450k in the next on the same server). So pp comes with its
+uncertainty: u = sqrt(spread of the marginal times over the runs^2 + spread of the overhead
+samples^2), reported as the interval (P - P0) / (marginal +- u); and when the marginal time is
+not at least RESOLUTION times u, the row says "below resolution" instead of a number. The ratio of
+medians is used, not the mean of per-run ratios, which one small denominator would blow up, and
+spreads are robust (`robust_spread`): one run stalled by something else on the client machine
+moves neither the number nor its resolution. What no spread within one command can show is the
+server drifting between commands (the H200's overhead read 22.4 ms in one and 30.3 ms in the
+next): compare commands run back to back.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import math
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +41,10 @@ from vllmstack.observe.metrics import MetricsError, MetricsSnapshot, parse_metri
 Progress = Callable[[str], None]
 
 OVERHEAD_PROMPT_TOKENS = 16
-OVERHEAD_SAMPLES = 3
+OVERHEAD_SAMPLES = 8
+# pp is a number only when the marginal prefill time is this many uncertainties above zero.
+RESOLUTION = 2.0
+BELOW_RESOLUTION = "below resolution"
 
 
 class RunError(StackError, RuntimeError):
@@ -49,31 +67,94 @@ class RunOptions:
     timeout_s: float = 600.0
 
     def check(self) -> None:
+        """Refuse values no run can use (the parser refuses them first; other callers too)."""
         if not self.pp or min(self.pp) < 1:
             raise RunError("--pp needs positive token counts")
         if not self.tg or min(self.tg) < 1:
             raise RunError("--tg needs positive token counts")
         if self.runs < 1:
             raise RunError("--runs must be at least 1")
-        if self.duration_s <= 0:
-            raise RunError("--duration must be positive seconds")
+        if not math.isfinite(self.duration_s) or self.duration_s <= 0:
+            raise RunError("--duration must be a positive, finite number of seconds")
+        if not math.isfinite(self.timeout_s) or self.timeout_s <= 0:
+            raise RunError("--timeout must be a positive, finite number of seconds")
+        if self.margin < 0:
+            raise RunError("--margin must be 0 or more tokens")
+        if self.depths is not None and (not self.depths or min(self.depths) < 0):
+            raise RunError("--depth needs token counts of 0 or more")
+        if self.concurrency is not None and (not self.concurrency or min(self.concurrency) < 1):
+            raise RunError("--concurrency needs levels of at least 1")
         if self.prefix_caching not in ("auto", "on", "off"):
             raise RunError("--prefix-caching must be auto, on or off")
 
 
 @dataclass
 class Overhead:
-    """Fixed cost of one request: median TTFT and prompt size of tiny one-token requests."""
+    """Fixed cost of one request: median TTFT and prompt size of tiny one-token requests, and the
+    spread of those TTFTs (`robust_spread`), which bounds how finely pp resolves."""
 
     ttft_s: float
     prompt_tokens: int
+    spread_s: float = 0.0
 
-    def pp_rate(self, prompt_tokens: int | None, ttft_s: float | None) -> float | None:
-        if not prompt_tokens or prompt_tokens <= 0 or not ttft_s or ttft_s <= 0:
-            return None
-        if prompt_tokens > self.prompt_tokens and ttft_s > self.ttft_s:
-            return (prompt_tokens - self.prompt_tokens) / (ttft_s - self.ttft_s)
-        return prompt_tokens / ttft_s
+
+def robust_spread(values: Sequence[float]) -> float:
+    """A standard deviation that one disturbed sample cannot inflate: 1.4826 x the median
+    absolute deviation (equal to the standard deviation for normally spread samples)."""
+    if len(values) < 2:
+        return 0.0
+    middle = statistics.median(values)
+    return 1.4826 * statistics.median(abs(v - middle) for v in values)
+
+
+def pp_estimate(overhead: Overhead | None, pairs: Sequence[tuple[int | None, float | None]]
+                ) -> dict[str, Any]:
+    """pp from (prompt tokens, TTFT s) pairs: the estimate with its uncertainty, or why not.
+
+    Returns `pp_tps` (None, or mean = estimate, std = its uncertainty, min/max = the interval,
+    n = runs), `pp_marginal_ms` (the marginal prefill times), `pp_uncertainty_ms` and `pp_note`
+    ("below resolution" when the marginal time does not clear RESOLUTION x the uncertainty).
+    """
+    out: dict[str, Any] = {"pp_tps": None, "pp_marginal_ms": None, "pp_uncertainty_ms": None,
+                           "pp_note": None}
+    usable = [(p, t) for p, t in pairs if p and t and p > 0 and t > 0]
+    if overhead is None or not usable:
+        return out
+    tokens = [p - overhead.prompt_tokens for p, _ in usable]
+    marginal = [t - overhead.ttft_s for _, t in usable]
+    # Medians: one request delayed by something else on the machine must not move pp.
+    mean_m = statistics.median(marginal)
+    mean_p = statistics.median(tokens)
+    spread_m = robust_spread(marginal)
+    u = math.hypot(spread_m, overhead.spread_s)
+    out["pp_marginal_ms"] = summarize([m * 1000 for m in marginal])
+    out["pp_uncertainty_ms"] = u * 1000
+    if mean_p <= 0 or mean_m <= 0 or mean_m <= RESOLUTION * u:
+        out["pp_note"] = BELOW_RESOLUTION
+        return out
+    estimate = mean_p / mean_m
+    out["pp_tps"] = {"mean": estimate, "std": estimate * u / mean_m,
+                     "min": mean_p / (mean_m + u), "max": mean_p / (mean_m - u),
+                     "n": float(len(usable))}
+    return out
+
+
+def pp_text(row: dict[str, Any], key: str = "pp_tps") -> str:
+    """`147k ± 48k t/s`, or why there is no number."""
+    stat = row.get(key)
+    if isinstance(stat, dict) and isinstance(stat.get("mean"), int | float):
+        return f"{_short(stat['mean'])} ± {_short(stat.get('std') or 0.0)} t/s"
+    marginal = row.get("pp_marginal_ms")
+    if row.get("pp_note") == BELOW_RESOLUTION and isinstance(marginal, dict):
+        return (f"{BELOW_RESOLUTION} (marginal prefill {marginal['mean']:.1f} ms, "
+                f"uncertainty {row.get('pp_uncertainty_ms') or 0:.1f} ms)")
+    return "-"
+
+
+def _short(value: float) -> str:
+    if abs(value) >= 10000:
+        return f"{value / 1000:.0f}k"
+    return f"{value / 1000:.1f}k" if abs(value) >= 1000 else f"{value:.0f}"
 
 
 @dataclass
@@ -97,8 +178,10 @@ class Session:
 
     async def send(self, messages: list[dict[str, Any]], max_tokens: int) -> RequestResult:
         result = await self.client.stream_chat(self.body(messages, max_tokens))
+        if result.ok and result.t_first_token is None and not result.stopped:
+            result.error = result.why  # a measured request that gave no token measured nothing
         if not result.ok:
-            self.failures.append(result.error or "failed")
+            self.failures.append(result.why)
         elif result.completion_tokens is not None and result.completion_tokens != max_tokens:
             self.warn(f"asked for {max_tokens} tokens, the server produced "
                       f"{result.completion_tokens} (ignore_eos/min_tokens unsupported?)")
@@ -117,6 +200,23 @@ class Session:
             return None
 
 
+@contextlib.contextmanager
+def steady_heap() -> Iterator[None]:
+    """Measure with the heap as it is now moved out of the collector's way.
+
+    A full collection walks every object the process holds (tokenizer tables, prompt pools,
+    earlier results); one landing inside a stream is a pause the server never made. Collecting
+    once and freezing what exists (as `vllm bench serve` does) leaves only the young objects of
+    each chunk to the collector.
+    """
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def user(text: str) -> list[dict[str, Any]]:
     return [{"role": "user", "content": text}]
 
@@ -129,20 +229,25 @@ async def measure_overhead(session: Session) -> Overhead:
     """Median TTFT of tiny one-token requests (fixed per-request cost, see the module doc)."""
     ttfts: list[float] = []
     sizes: list[int] = []
+    missing: list[str] = []
     for _ in range(OVERHEAD_SAMPLES):
         prompt = session.builder.build(OVERHEAD_PROMPT_TOKENS)
         result = await session.client.stream_chat(session.body(user(prompt.text), 1))
         if not result.ok:
-            raise RunError(f"the endpoint failed a one-token request: {result.error}")
+            raise RunError(f"the endpoint failed a one-token request: {result.why}")
         if result.ttft_s is not None:
             ttfts.append(result.ttft_s)
+        else:
+            missing.append(result.why)
         if result.prompt_tokens:
             sizes.append(result.prompt_tokens)
     if not ttfts:
-        raise RunError("no token arrived for a one-token request; is this a chat model endpoint?")
-    overhead = Overhead(statistics.median(ttfts), int(statistics.median(sizes)) if sizes else 0)
-    session.progress(f"request overhead: {overhead.ttft_s * 1000:.1f} ms for "
-                     f"{overhead.prompt_tokens} prompt tokens (subtracted from pp)")
+        raise RunError(f"a one-token request gave no token time: {missing[0]}")
+    overhead = Overhead(statistics.median(ttfts), int(statistics.median(sizes)) if sizes else 0,
+                        robust_spread(ttfts))
+    session.progress(f"request overhead: {overhead.ttft_s * 1000:.1f} ± "
+                     f"{overhead.spread_s * 1000:.1f} ms for {overhead.prompt_tokens} prompt "
+                     "tokens (subtracted from pp)")
     return overhead
 
 
@@ -154,14 +259,16 @@ def summarize_results(
     tg: int,
     depth: int,
     concurrency: int,
-    pp_values: Sequence[float | None] | None = None,
+    pp_pairs: Sequence[tuple[int | None, float | None]] | None = None,
 ) -> dict[str, Any]:
-    """One result row: distributions over the successful requests plus counts."""
+    """One result row: distributions over the successful requests plus counts.
+
+    `pp_pairs` are the (prompt tokens, TTFT) that pp is estimated from; by default every
+    successful request's whole prompt.
+    """
     good = [r for r in results if r.ok]
-    overhead = session.overhead
-    if pp_values is None:
-        pp_values = [overhead.pp_rate(r.prompt_tokens, r.ttft_s) if overhead else None
-                     for r in good]
+    if pp_pairs is None:
+        pp_pairs = [(r.prompt_tokens, r.ttft_s) for r in good]
     itl: list[float] = []
     for r in good:
         itl.extend(r.itl_samples_s())
@@ -175,7 +282,7 @@ def summarize_results(
         "errors": len(results) - len(good),
         "ttft_ms": _ms([r.ttft_s for r in good]),
         "ttfr_ms": _ms([r.ttfr_s for r in good]),
-        "pp_tps": summarize([v for v in pp_values if v is not None]),
+        **pp_estimate(session.overhead, pp_pairs),
         "tg_tps": summarize([v for v in (r.decode_tps for r in good) if v is not None]),
         "itl_ms": _ms(itl),
         "e2e_ms": _ms([r.t_end - r.t_sent for r in good]),
@@ -190,9 +297,8 @@ def progress_line(row: dict[str, Any], label: str) -> str:
         s = row.get(key)
         return format(s["mean"], fmt) if s else "-"
 
-    return (f"{label}: ttft {mean('ttft_ms', '.1f')} ms, pp {mean('pp_tps', '.0f')} t/s, "
+    itl = row.get("itl_ms")
+    return (f"{label}: ttft {mean('ttft_ms', '.1f')} ms, pp {pp_text(row)}, "
             f"tg {mean('tg_tps', '.2f')} t/s, itl p50/p99 "
-            f"{row['itl_ms']['p50'] if row.get('itl_ms') else 0:.2f}/"
-            f"{row['itl_ms']['p99'] if row.get('itl_ms') else 0:.2f} ms"
+            f"{itl['p50'] if itl else 0:.2f}/{itl['p99'] if itl else 0:.2f} ms"
             + (f", {row['errors']} failed" if row.get("errors") else ""))
-

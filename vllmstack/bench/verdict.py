@@ -65,6 +65,8 @@ class Verdict:
             lines.append("  ".join(cells).rstrip())
             if n == 0:
                 lines.append("  ".join("-" * w for w in widths[:3]) + "  ----")
+            elif len(row[1]) > 48:
+                lines.append(f"  {row[0]}: {row[1]}")  # a long reason is read in full, not cut
         lines.append(f"{self.name.upper()}: {self.verdict.upper()}")
         return "\n".join(lines)
 

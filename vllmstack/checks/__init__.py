@@ -2,11 +2,15 @@
 
 Where things live (a new check goes in the module of its concern, then into RULES):
   registry.py       RULES (the order of the report), run_checks, check_profile, the report
-  context.py        CheckContext: what every rule reads (settings, schema, model facts)
+  context.py        CheckContext: what every rule reads (settings, schema, model facts, the
+                    host's detected GPUs filling in what the platform does not pin)
   profile.py        the profile itself: bad values, required keys, serve argv, platform, .env
   files.py          paths a setting names: model, tokenizer, chat template, mounts
+  inputs.py         what settings become outside the stack: compose.env values, mount paths,
+                    published binds, ENGINE_ENV words
   scheduler.py      speculative decoding and the seqs / batched-tokens / model-length limits
-  capacity.py       tensor parallel vs GPUs and heads, weights + KV cache vs GPU memory
+  capacity.py       the detected GPUs vs the platform, tensor parallel vs GPUs and heads,
+                    weights + KV cache vs GPU memory
   tuned_configs.py  the tuned Triton kernel configs (fused_moe_configs/, fp8_configs/)
   rocm.py           vendor runtime settings: HSA override, AITER, ROCm variables on NVIDIA
   pins.py           build pins that move together, and overlays locked to a vLLM ref

@@ -1,18 +1,82 @@
-"""Checks that the profile fits the hardware: tensor parallel against GPUs and attention heads,
-and weights + KV cache + overhead against each GPU's memory (the memory projection).
+"""Checks that the profile fits the hardware: the cards detected on this host, tensor parallel
+against GPUs and attention heads, and weights + KV cache + overhead against each GPU's memory
+(the memory projection).
 
 A new check goes here when it weighs a setting against GPU count, VRAM or memory utilization.
 """
 
 from __future__ import annotations
 
-from vllmstack.checks.context import CheckContext
+from collections import Counter
+
+from vllmstack.checks.context import CheckContext, pinned
 from vllmstack.config.modelinfo import GIB, MIB, estimate_mamba_blocks, kv_bytes_per_token_per_gpu
 from vllmstack.core.findings import Finding
 
 # Activations, CUDA/HIP graphs and runtime buffers per GPU, beyond weights and KV cache. A
 # deliberately round estimate: the projection is for "clearly won't fit", not for tuning.
 OVERHEAD_GIB = 2.0
+
+
+# A pinned GPU_VRAM_GIB further than this from the card's own figure makes the projection wrong.
+VRAM_TOLERANCE = 0.03
+
+
+def rule_detected_gpus(ctx: CheckContext) -> list[Finding]:
+    """What the host's cards are, what was taken from them, and where the platform disagrees."""
+    hardware = ctx.hardware
+    if hardware is None:
+        if ctx.looked_for_gpus and not pinned(ctx.resolved, "GPU_VRAM_GIB"):
+            tool = "nvidia-smi" if ctx.get("GPU_VENDOR") == "nvidia" else "the amdgpu driver (sysfs)"
+            return [Finding("info", "gpu-not-detected",
+                            f"{tool} did not describe this host's GPUs and the platform pins no "
+                            "GPU_VRAM_GIB: the memory projection is skipped",
+                            fix="run the check on the GPU host, or set GPU_VRAM_GIB and "
+                                "GPU_DEVICE_NAME in .env")]
+        return []
+    used = ctx.used_cards
+    kinds = Counter((c.name or "an unknown device", round(c.total_bytes / GIB, 1)) for c in used)
+    cards = "; ".join(f"{n} × {name} with {gib:g} GiB" for (name, gib), n in sorted(kinds.items()))
+    notes = "; ".join(sorted({c.note for c in used if c.note}))
+    taken = (", ".join(f"{k}={v}" for k, v in ctx.detected.items()) + " (the platform does not pin "
+             "them)") if ctx.detected else "nothing (the platform pins count, memory and name)"
+    out = [Finding("info", "gpu-detected",
+                   f"{hardware.source}: {len(hardware.cards)} GPU(s) on this host; the engine gets "
+                   f"{cards} ({notes}); taken from the cards: {taken}", key=None,
+                   source=hardware.source)]
+    tp = ctx.int("VLLM_TP")
+    if tp is not None and tp > len(hardware.cards):
+        out.append(ctx.finding(
+            "error", "tp-over-detected-gpus", "VLLM_TP",
+            f"tensor parallel size {tp} needs {tp} GPUs; {hardware.source} sees "
+            f"{len(hardware.cards)} on this host", fix=f"set VLLM_TP={len(hardware.cards)}, or use a "
+            "platform with fewer GPUs (e.g. nvidia instead of 2xnvidia)"))
+    elif "GPU_COUNT" not in ctx.detected and (ctx.int("GPU_COUNT") or 0) > len(hardware.cards):
+        out.append(ctx.finding(
+            "warning", "gpu-count-differs", "GPU_COUNT",
+            f"platform {ctx.resolved.platform} has GPU_COUNT={ctx.get('GPU_COUNT')} but "
+            f"{hardware.source} sees {len(hardware.cards)} GPU(s) on this host",
+            fix="use the platform that matches this host"))
+    vram = ctx.float("GPU_VRAM_GIB")
+    card_gib = min(c.total_bytes for c in used) / GIB if used else None
+    if ("GPU_VRAM_GIB" not in ctx.detected and vram and card_gib
+            and abs(vram - card_gib) > VRAM_TOLERANCE * card_gib):
+        out.append(ctx.finding(
+            "warning", "gpu-vram-differs", "GPU_VRAM_GIB",
+            f"GPU_VRAM_GIB={vram:g} but the card has {card_gib:.1f} GiB ({hardware.source}): the "
+            "memory projection uses the pinned value",
+            fix=f"remove GPU_VRAM_GIB (at {ctx.src('GPU_VRAM_GIB')}) so the card's figure is used, "
+                f"or set it to {card_gib:.1f}"))
+    names = {c.name for c in used if c.name}
+    name = ctx.get("GPU_DEVICE_NAME")
+    if "GPU_DEVICE_NAME" not in ctx.detected and name and len(names) == 1 and name not in names:
+        out.append(ctx.finding(
+            "warning", "gpu-name-differs", "GPU_DEVICE_NAME",
+            f"GPU_DEVICE_NAME={name} but vLLM names this card {next(iter(names))}: tuned configs "
+            "are looked up by vLLM's name", fix=f"remove GPU_DEVICE_NAME (at "
+            f"{ctx.src('GPU_DEVICE_NAME')}) so the card's name is used, or set it to "
+            f"{next(iter(names))}"))
+    return out
 
 
 def rule_parallelism(ctx: CheckContext) -> list[Finding]:

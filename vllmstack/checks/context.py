@@ -10,14 +10,20 @@ several rule modules need it.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from vllmstack.config.modelinfo import ModelFacts, load_model_facts
-from vllmstack.config.profiles import Resolved
+from vllmstack.config.profiles import Resolved, Setting
 from vllmstack.config.schema import Schema, load_schema
 from vllmstack.config.vllm_args import ServeCommand
 from vllmstack.core.findings import Finding
 from vllmstack.core.paths import Project
+from vllmstack.core.runner import Runner
+from vllmstack.runtime.gpu import GIB, GpuCard, GpuInventory, detect_cards
+
+# What a platform may leave to the card: read from it when no layer sets them.
+DETECTABLE = ("GPU_COUNT", "GPU_VRAM_GIB", "GPU_DEVICE_NAME")
 
 
 @dataclass
@@ -30,6 +36,12 @@ class CheckContext:
     command: ServeCommand | None = None
     # The runtime `up` will use when it is known (--runtime); else the RUNTIME setting.
     runtime_name: str | None = None
+    # The host's cards when a runner was given to look (None: not looked, or nothing answered),
+    # the ones the platform uses, and the settings taken from them (key -> value).
+    hardware: GpuInventory | None = None
+    used_cards: tuple[GpuCard, ...] = ()
+    detected: dict[str, str] = field(default_factory=dict)
+    looked_for_gpus: bool = False
 
     def get(self, key: str) -> str:
         """The raw text of a setting, "" when unset (no schema default: rules validate it)."""
@@ -87,7 +99,65 @@ def build_context(
     *,
     schema: Schema | None = None,
     runtime: str | None = None,
+    runner: Runner | None = None,
+    device_root: Path = Path("/"),
 ) -> CheckContext:
-    """The context for one run of the rules: the model's facts are read once, here."""
+    """The context for one run of the rules: the model's facts are read once, here.
+
+    With a `runner`, the host's GPUs are read (nvidia-smi, or amdgpu's sysfs counters) and fill
+    in the count, memory and device name the platform does not pin (source "detected: TOOL").
+    """
+    hardware = used = None
+    detected: dict[str, str] = {}
+    vendor = resolved.get_str("GPU_VENDOR")
+    looked = runner is not None and vendor in ("amd", "nvidia")
+    if runner is not None and looked:
+        hardware = detect_cards(vendor, runner, root=device_root,
+                                unified_memory=resolved.get_bool("UNIFIED_MEMORY"))
+    if hardware is not None:
+        used = cards_in_use(resolved, hardware)
+        resolved, detected = with_detected(resolved, hardware, used)
     return CheckContext(project, resolved, schema or load_schema(),
-                        load_model_facts(resolved, environ), environ, runtime_name=runtime)
+                        load_model_facts(resolved, environ), environ, runtime_name=runtime,
+                        hardware=hardware, used_cards=used or (), detected=detected,
+                        looked_for_gpus=looked)
+
+
+def pinned(resolved: Resolved, key: str) -> bool:
+    """A layer, .env or --set gives the key a value (a schema default is no pin)."""
+    return bool(resolved.get_raw(key).strip()) and resolved.source(key) not in (None, "default")
+
+
+def cards_in_use(resolved: Resolved, hardware: GpuInventory) -> tuple[GpuCard, ...]:
+    """The cards the engine gets: those *_VISIBLE_DEVICES lists by index, else the first
+    GPU_COUNT (when pinned), else all."""
+    key = "CUDA_VISIBLE_DEVICES" if resolved.get_str("GPU_VENDOR") == "nvidia" else "HIP_VISIBLE_DEVICES"
+    visible = resolved.get_list(key)
+    if visible and all(v.isdigit() for v in visible):
+        chosen = tuple(c for c in hardware.cards if str(c.index) in visible)
+        if chosen:
+            return chosen
+    count = resolved.get_raw("GPU_COUNT").strip()
+    if pinned(resolved, "GPU_COUNT") and count.isdigit():
+        return hardware.cards[: int(count)]
+    return hardware.cards
+
+
+def with_detected(resolved: Resolved, hardware: GpuInventory,
+                  used: tuple[GpuCard, ...]) -> tuple[Resolved, dict[str, str]]:
+    """`resolved` with the unpinned DETECTABLE keys taken from the cards in use."""
+    if not used:
+        return resolved, {}
+    names = {c.name for c in used}
+    values = {
+        "GPU_COUNT": str(len(used)),
+        # The smallest card bounds what every tensor-parallel rank can hold.
+        "GPU_VRAM_GIB": f"{min(c.total_bytes for c in used) / GIB:.2f}",
+        "GPU_DEVICE_NAME": names.pop() if len(names) == 1 else "",
+    }
+    detected = {k: v for k, v in values.items() if v and not pinned(resolved, k)}
+    if not detected:
+        return resolved, {}
+    source = f"detected: {hardware.source}"
+    settings = {**resolved.values, **{k: Setting(k, v, source) for k, v in detected.items()}}
+    return replace(resolved, values=settings), detected

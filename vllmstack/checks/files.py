@@ -58,17 +58,22 @@ def rule_files_exist(ctx: CheckContext) -> list[Finding]:
 
 
 def _check_mounted(ctx: CheckContext, key: str, path: Path) -> list[Finding]:
-    """Local paths reach the container only through MODELS_DIR (mounted read-only)."""
-    if ctx.runtime == "native":
-        return []
+    """Local paths reach the container only through MODELS_DIR (mounted read-only); a native
+    engine reads them where they are, so there it is only a note for a later container run."""
     models_dir = ctx.get("MODELS_DIR")
     if models_dir and _is_within(path, Path(models_dir).expanduser()):
         return []
+    where = f" ({models_dir})" if models_dir else " (MODELS_DIR is not set)"
+    fix = f"set MODELS_DIR in .env to a folder that contains {path}"
+    if ctx.runtime == "native":
+        return [ctx.finding(
+            "info", "path-not-mounted", key,
+            f"{path} is outside MODELS_DIR{where}: fine for the native runtime, which reads it "
+            "directly; a container run would not see it", fix=fix)]
     return [ctx.finding(
         "error", "path-not-mounted", key,
-        f"{path} is a local path, but only MODELS_DIR is mounted into the engine container"
-        + (f" ({models_dir})" if models_dir else " (MODELS_DIR is not set)"),
-        fix=f"set MODELS_DIR in .env to a folder that contains {path}")]
+        f"{path} is a local path, but only MODELS_DIR is mounted into the engine container{where}",
+        fix=fix)]
 
 
 def _is_within(path: Path, folder: Path) -> bool:

@@ -10,12 +10,20 @@ A new rule: write it in its module, add it to RULES here, and add a test in test
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from vllmstack.checks import deep as vllm_parser
-from vllmstack.checks.capacity import rule_memory, rule_parallelism
+from vllmstack.checks.capacity import rule_detected_gpus, rule_memory, rule_parallelism
 from vllmstack.checks.context import CheckContext, Rule, build_context
 from vllmstack.checks.files import rule_files_exist
+from vllmstack.checks.inputs import (
+    rule_bind_addresses,
+    rule_engine_env,
+    rule_env_file_values,
+    rule_mount_paths,
+    rule_profile_host_keys,
+)
 from vllmstack.checks.pins import rule_overlays, rule_pins
 from vllmstack.checks.profile import (
     rule_argv,
@@ -31,7 +39,7 @@ from vllmstack.config.profiles import Resolved
 from vllmstack.config.schema import Schema
 from vllmstack.core.findings import Finding, sort_findings
 from vllmstack.core.paths import Project
-from vllmstack.core.runner import Runner
+from vllmstack.core.runner import Runner, mask_text
 from vllmstack.image import build
 
 RULES: tuple[Rule, ...] = (
@@ -40,9 +48,15 @@ RULES: tuple[Rule, ...] = (
     rule_argv,
     rule_profile_platform,
     rule_dotenv_overrides,
+    rule_env_file_values,
+    rule_mount_paths,
+    rule_bind_addresses,
+    rule_engine_env,
+    rule_profile_host_keys,
     rule_files_exist,
     rule_spec_decode,
     rule_scheduler,
+    rule_detected_gpus,
     rule_parallelism,
     rule_memory,
     rule_tuned_configs,
@@ -60,11 +74,17 @@ def run_checks(
     rules: tuple[Rule, ...] = RULES,
     schema: Schema | None = None,
     runtime: str | None = None,
+    runner: Runner | None = None,
 ) -> tuple[list[Finding], CheckContext]:
-    ctx = build_context(project, resolved, environ, schema=schema, runtime=runtime)
+    """Every rule; with a `runner`, the host's GPUs fill in what the platform does not pin."""
+    ctx = build_context(project, resolved, environ, schema=schema, runtime=runtime, runner=runner)
     findings: list[Finding] = []
     for rule in rules:
         findings.extend(rule(ctx))
+    # A message may quote a value (".env overrides ..."): never a token's.
+    secrets = resolved.secrets()
+    findings = [replace(f, message=mask_text(f.message, secrets),
+                        fix=mask_text(f.fix, secrets) if f.fix else f.fix) for f in findings]
     return sort_findings(findings), ctx
 
 
@@ -79,7 +99,8 @@ def report_json(resolved: Resolved, findings: list[Finding]) -> dict[str, Any]:
 
 def render_report(resolved: Resolved, findings: list[Finding], *, verbose: bool = False) -> str:
     shown = [f for f in findings if verbose or f.severity != "info" or f.code in (
-        "memory-projection", "spec-implies-no-async", "no-dotenv", "vllm-parser-ok")]
+        "memory-projection", "spec-implies-no-async", "no-dotenv", "vllm-parser-ok", "gpu-detected",
+        "gpu-not-detected")]
     errors = sum(f.severity == "error" for f in findings)
     warnings = sum(f.severity == "warning" for f in findings)
     lines = [f"profile {resolved.profile} on {resolved.platform}"]
@@ -98,7 +119,7 @@ def check_profile(
     deep: bool = False,
 ) -> list[Finding]:
     """`invoke check`: every rule, plus vLLM's own parser on the argv with `deep`."""
-    findings, ctx = run_checks(project, resolved, environ)
+    findings, ctx = run_checks(project, resolved, environ, runner=runner)
     if deep and ctx.command is not None:
         parsed = vllm_parser.check_with_vllm_parser(project, runner, ctx.command.argv, resolved)
         if not [f for f in parsed if f.severity != "info"]:
@@ -107,5 +128,20 @@ def check_profile(
         findings += parsed
     docker = resolved.get_str("DOCKER")
     labels = build.read_image_labels(runner, docker, resolved.get("VLLM_IMAGE") or "")
-    findings += build.image_label_findings(project, resolved, labels)
+    findings += [_missing_image_for_containers(f, ctx) for f in
+                 build.image_label_findings(project, resolved, labels)]
     return sort_findings(findings)
+
+
+def _missing_image_for_containers(finding: Finding, ctx: CheckContext) -> Finding:
+    """Without its image a container runtime cannot start the engine: a warning, with the build
+    command. The native runtime runs no image, so there it stays information."""
+    if finding.code != "image-missing" or ctx.runtime == "native":
+        return finding
+    build_it = f"invoke build --platform {ctx.resolved.platform}"
+    return replace(finding, severity="warning",
+                   message=f"{ctx.resolved.get('VLLM_IMAGE')} does not exist: `invoke up` on the "
+                           f"{ctx.runtime} runtime needs it",
+                   fix=build_it + ("   (or run natively: invoke install-engine --platform "
+                                   f"{ctx.resolved.platform}; invoke up --runtime native)"
+                                   if ctx.get("GPU_VENDOR") == "none" else ""))

@@ -4,13 +4,16 @@ what maps where here (most keys carry over unchanged), optionally writing a mode
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllmstack.config.profiles import read_env_file
+from vllmstack.config.profiles import layer_name_problem, read_env_file
 from vllmstack.config.schema import Schema, is_engine_env_name, load_schema
+from vllmstack.core.errors import StackError
 from vllmstack.core.paths import Project
+from vllmstack.core.runner import is_secret_name
 
 # Keys that were values in the old stack but are decided elsewhere here.
 MOVED = {
@@ -22,23 +25,38 @@ MOVED = {
 HOME_PATH = re.compile(r"^(/home/[^/]+|/root)/")
 
 
+class ImportEnvError(StackError):
+    """The file to import cannot be read exactly, or the profile cannot be written as asked."""
+
+
 @dataclass(frozen=True)
 class Mapping:
     key: str
     value: str
     line: int
-    target: str  # "same" | "platform" | "moved" | "engine-env" | "unknown"
+    target: str  # "same" | "platform" | "moved" | "engine-env" | "secret" | "unknown"
     note: str
 
 
 def map_env_file(path: Path, schema: Schema | None = None) -> list[Mapping]:
     schema = schema or load_schema()
-    lines, _ = read_env_file(path, path.name)
+    lines, problems = read_env_file(path, path.name)
+    errors = [p for p in problems if p.severity == "error"]
+    if errors:  # a line read wrongly or dropped would be imported wrongly or silently lost
+        raise ImportEnvError(
+            f"{path} has {len(errors)} line(s) that cannot be read exactly; nothing was imported",
+            "fix the lines named above, then import again",
+            details=[f.render() + (f" ({f.source})" if f.source and not f.key else "")
+                     for f in errors])
     out: list[Mapping] = []
     for line in lines:
         key, value = line.key, line.value
         spec = schema.get(key)
-        if key in MOVED:
+        if is_secret_name(key):
+            out.append(Mapping(key, value, line.line, "secret",
+                               "a secret: never written into a profile (env/ is shared); "
+                               "put it in .env, which stays on this machine"))
+        elif key in MOVED:
             out.append(Mapping(key, value, line.line, "moved", MOVED[key]))
         elif spec is not None and spec.becomes == "container-env" and key.startswith(
                 ("HIP_", "ROCR_", "HSA_", "NCCL_", "VLLM_ROCM_", "PYTORCH_ROCM")):
@@ -81,20 +99,58 @@ def render_mapping(mappings: list[Mapping]) -> str:
 
 def write_profile(project: Project, name: str, source: Path, mappings: list[Mapping],
                   extends: str | None = None) -> Path:
-    """Write env/models/NAME.env from the model-scope keys; never overwrite a file."""
+    """Write env/models/NAME.env from the model-scope keys; never overwrite a file.
+
+    NAME is one file name inside env/models/ and EXTENDS a layer inside env/ (never a path
+    elsewhere); every value is written so that the resolver reads back exactly what it read
+    from the source, or the import is refused naming the key and line."""
+    for what, value, nested in (("--name", name, False), ("--extends", extends, True)):
+        problem = layer_name_problem(value, nested=nested) if value is not None else None
+        if problem:
+            raise ImportEnvError(f"{what} {value!r} {problem}",
+                                 f"give {what} a plain name, e.g. --name my-model "
+                                 "--extends families/qwen3")
     path = project.env_dir / "models" / f"{name}.env"
-    if path.exists():
-        raise FileExistsError(f"{path} exists; choose another --name (nothing was overwritten)")
-    kept = [m for m in mappings if m.target in ("same", "engine-env")]
-    body = [f"# Imported from {source} by `invoke import-env`; review, then run `invoke check "
-            f"--model {name}`.", f"PROFILE_DESCRIPTION=Imported from {source.name}"]
+    kept = [m for m in mappings if m.target in ("same", "engine-env")
+            and m.key not in ("EXTENDS", "PROFILE_DESCRIPTION")]
+    body = [f"# Imported from {json.dumps(str(source))[1:-1]} by `invoke import-env`; review, "
+            f"then run `invoke check --model {name}`.",
+            f"PROFILE_DESCRIPTION={_quote(f'Imported from {source.name}') or 'Imported'}"]
     if extends:
         body.append(f"EXTENDS={extends}")
-    body += [f"{m.key}={_quote(m.value)}" for m in kept if m.key not in ("EXTENDS",
-                                                                         "PROFILE_DESCRIPTION")]
-    path.write_text("\n".join(body) + "\n")
+    for mapping in kept:
+        quoted = _quote(mapping.value)
+        if quoted is None:
+            raise ImportEnvError(
+                f"{mapping.key} (line {mapping.line} of {source}) holds a control character or "
+                "ends in a backslash: no env-file quoting reads it back exactly; nothing was written",
+                f"remove {mapping.key} from the file to import and set it by hand afterwards")
+        body.append(f"{mapping.key}={quoted}")
+    try:  # O_EXCL: an existing profile is never overwritten, not even by a racing import
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        message = f"{path} exists; choose another --name (nothing was overwritten)"
+        raise FileExistsError(message) from None
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write("\n".join(body) + "\n")
     return path
 
 
-def _quote(value: str) -> str:
-    return f"'{value}'" if any(c in value for c in " #\"{}") and "'" not in value else value
+_BARE = re.compile(r"[A-Za-z0-9._/:,+@-]+")
+
+
+def _quote(value: str) -> str | None:
+    """`value` as the resolver's dotenv parser (python-dotenv) reads it back exactly, or None.
+
+    Bare when plain; else in single quotes (literal there, but python-dotenv decodes \\ and \'
+    even in single quotes, so no backslash); else in double quotes with \\ and \" escaped. A
+    value ending in a backslash has no exact form (python-dotenv's pattern may take the escaped
+    closing quote as \"), nor has a control character. ${NAME} stays as written: the resolver
+    expands it, as it did in the source file."""
+    if _BARE.fullmatch(value):
+        return value
+    if value.endswith("\\") or any(ord(c) < 32 or ord(c) == 127 for c in value):
+        return None
+    if "'" not in value and "\\" not in value:
+        return f"'{value}'"
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'

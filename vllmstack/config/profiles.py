@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import math
 import re
+import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,9 +23,12 @@ from pathlib import Path
 from dotenv.parser import parse_stream
 
 from vllmstack.config.schema import Schema, as_bool, as_list, is_engine_env_name, load_schema, validate_value
+from vllmstack.core.checkout import derived_compose_project
 from vllmstack.core.errors import SettingError, StackError
+from vllmstack.core.files import decode_env_bytes
 from vllmstack.core.findings import Finding
 from vllmstack.core.paths import Project
+from vllmstack.core.runner import MASK, is_secret_name, mask_argv
 
 PLATFORM_DIR = "platforms"
 MODEL_DIR = "models"
@@ -72,6 +76,26 @@ class Resolved:
 
     def as_env(self) -> dict[str, str]:
         return {k: s.value for k, s in self.values.items()}
+
+    def secrets(self) -> list[str]:
+        """Every secret among the settings, for masking output: the value of a secret key
+        (core.runner.is_secret_name) and a secret flag's value inside shell words
+        (VLLM_EXTRA_ARGS='--api-key V')."""
+        out: list[str] = []
+        for key, setting in self.values.items():
+            if is_secret_name(key):  # what it overrode too: a finding may quote that
+                out += [setting.value, *(s.value for s in self.history.get(key, []))]
+                continue
+            if "-" not in setting.value and "=" not in setting.value:
+                continue
+            try:
+                words = shlex.split(setting.value)
+            except ValueError:
+                continue
+            for word, masked in zip(words, mask_argv(words), strict=True):
+                if word != masked:
+                    out.append(word.partition("=")[2] if masked.endswith("=" + MASK) else word)
+        return [s for s in out if s]
 
     # Typed accessors: an unset or empty value falls back to the schema default, so a default is
     # written once (schema.yaml), never restated as `get(...) or <literal>` at a call site.
@@ -124,14 +148,37 @@ class ProfileError(StackError):
     """Selection failed (unknown platform or profile); the message says what exists."""
 
 
+# A layer name is a path below env/ made of plain names: never absolute, never `..`, nothing a
+# generated file's comment or a label could misread.
+LAYER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*")
+KEY_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def layer_name_problem(name: str, *, nested: bool = True) -> str | None:
+    """Why `name` cannot name a layer inside env/ (None when it can). `nested=False` for a
+    platform or model name, which is one file name in its folder."""
+    if name.startswith("/"):
+        return "is an absolute path; layers are named relative to env/"
+    if ".." in name.split("/"):
+        return "contains '..'; layers are named inside env/ only"
+    if not LAYER_NAME.fullmatch(name) or any(part.endswith(".") for part in name.split("/")):
+        return "is not a layer name (letters, digits, '.', '_', '-', folders joined by '/')"
+    if not nested and "/" in name:
+        return "names a folder; platforms and model profiles are single names"
+    return None
+
+
 def read_env_file(path: Path, display: str) -> tuple[list[Line], list[Finding]]:
-    """Parse one dotenv file keeping line numbers; duplicates and syntax errors become findings."""
+    """Parse one dotenv file keeping line numbers; duplicates, syntax errors, bytes that are not
+    UTF-8 and keys that are not variable names become findings."""
     lines: list[Line] = []
-    problems: list[Finding] = []
     seen: dict[str, int] = {}
-    text = path.read_text(encoding="utf-8")
+    text, problems = decode_env_bytes(path.read_bytes(), display)
+    text = text.replace("\r\n", "\n").replace("\r", "\n")  # as python-dotenv's own reading does
     for binding in parse_stream(io.StringIO(text)):
-        lineno = binding.original.line
+        # python-dotenv counts from the blank lines it skipped before the binding: skip them too.
+        original = binding.original.string
+        lineno = binding.original.line + original[:len(original) - len(original.lstrip())].count("\n")
         where = f"{display}:{lineno}"
         if binding.error:
             problems.append(
@@ -148,6 +195,15 @@ def read_env_file(path: Path, display: str) -> tuple[list[Line], list[Finding]]:
                 Finding(
                     "error", "syntax", f"{binding.key} has no '=' and no value", key=binding.key,
                     source=where, fix=f"write {binding.key}=VALUE (or {binding.key}= for empty)",
+                )
+            )
+            continue
+        if not KEY_NAME.fullmatch(binding.key):
+            problems.append(
+                Finding(
+                    "error", "bad-key",
+                    f"{binding.key!r} ({where}) is not a variable name; the line is ignored",
+                    source=where, fix="keys are letters, digits and _ (not starting with a digit)",
                 )
             )
             continue
@@ -179,6 +235,14 @@ class _Stack:
 
     def add_layer(self, name: str, via: str | None, chain: tuple[str, ...] = ()) -> None:
         """Add env/<name>.env after the layers it EXTENDS (depth first, each file once)."""
+        problem = layer_name_problem(name)
+        if problem:
+            self.problems.append(
+                Finding("error", "bad-layer-name", f"EXTENDS entry {name!r} {problem}",
+                        key="EXTENDS", source=via,
+                        fix="name a layer below env/ without the .env suffix, e.g. families/qwen3")
+            )
+            return
         path = self.project.env_dir / f"{name}.env"
         if name in chain:
             cycle = " -> ".join([*chain, name])
@@ -266,8 +330,17 @@ def resolve(
         model or set_values.get("MODEL_PROFILE") or dotenv_values.get("MODEL_PROFILE")
         or defaults["MODEL_PROFILE"]
     )
-    for kind, name, flag in ((PLATFORM_DIR, platform_name, "--platform"),
-                             (MODEL_DIR, model_name, "--model")):
+    for kind, name, flag, key, given in (
+            (PLATFORM_DIR, platform_name, "--platform", "PLATFORM", platform),
+            (MODEL_DIR, model_name, "--model", "MODEL_PROFILE", model)):
+        problem = layer_name_problem(name, nested=False)
+        if problem:
+            where = flag if given else ("--set" if key in set_values else (
+                f"{host_display}:{next(ln.line for ln in dotenv_lines if ln.key == key)}"
+                if key in dotenv_values else "the schema default"))
+            raise ProfileError(
+                f"{kind[:-1]} name {name!r} (from {where}) {problem}",
+                f"choose one of: {', '.join(available(project, kind)) or 'none'} ({flag} NAME)")
         if not (project.env_dir / kind / f"{name}.env").is_file():
             names = ", ".join(available(project, kind)) or "none"
             raise ProfileError(
@@ -287,6 +360,7 @@ def resolve(
 
     for key, value in defaults.items():
         assign(key, value, "default")
+    assign("COMPOSE_PROJECT", *derived_compose_project(project.root))  # one per checkout
     for _, display, lines in stack.order:
         for line in lines:
             if line.key != "EXTENDS":
@@ -351,6 +425,14 @@ def validate_settings(values: Mapping[str, Setting], schema: Schema) -> list[Fin
     """Unknown keys (warning, with the closest known name) and type/range problems (error)."""
     problems: list[Finding] = []
     for key, setting in values.items():
+        if any(0xD800 <= ord(c) <= 0xDFFF for c in setting.value):
+            # Bytes that are not UTF-8 from --set or the environment (files are checked as read).
+            problems.append(
+                Finding("error", "not-utf8", f"{key} holds bytes that are not UTF-8: "
+                        f"{setting.value.encode('utf-8', 'surrogateescape')!r}", key=key,
+                        source=setting.source, fix=f"write {key} as UTF-8 text")
+            )
+            continue
         spec = schema.get(key)
         if spec is None:
             guess = schema.closest(key)

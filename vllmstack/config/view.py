@@ -3,18 +3,29 @@
 from __future__ import annotations
 
 import json
+import shlex
 
 from vllmstack.config.profiles import ProfileInfo, Resolved
 from vllmstack.config.vllm_args import ArgvError, build_serve_argv
 from vllmstack.core.errors import StackError
+from vllmstack.core.runner import MASK, is_secret_name, mask_argv, mask_text
 
 
 class ConfigError(StackError):
     """The resolved settings cannot be shown as asked (the argv cannot be built)."""
 
 
+def shown_values(resolved: Resolved) -> dict[str, str]:
+    """What `invoke config` prints for each setting: a secret's value never (*** when set), nor
+    a token inside another value (VLLM_EXTRA_ARGS='--api-key ***')."""
+    secrets = resolved.secrets()
+    return {k: MASK if s.value and is_secret_name(k) else mask_text(s.value, secrets)
+            for k, s in sorted(resolved.values.items())}
+
+
 def explain_table(resolved: Resolved) -> dict[str, dict[str, str]]:
-    return {k: {"value": s.value, "source": s.source} for k, s in sorted(resolved.values.items())}
+    shown = shown_values(resolved)
+    return {k: {"value": shown[k], "source": s.source} for k, s in sorted(resolved.values.items())}
 
 
 def render_config(
@@ -25,7 +36,11 @@ def render_config(
             command = build_serve_argv(resolved)
         except ArgvError as exc:
             raise ConfigError(str(exc), exc.fix) from exc
-        return json.dumps(command.argv, indent=2) if as_json else command.shell()
+        # A token given through VLLM_EXTRA_ARGS (--api-key) is masked; generated/vllm-argv.txt
+        # (mode 0600) keeps the real line.
+        argv = mask_argv(command.argv)
+        masked = [mask_text(word, resolved.secrets()) for word in argv]
+        return json.dumps(masked, indent=2) if as_json else shlex.join(masked)
     if explain:
         table = explain_table(resolved)
         if as_json:
@@ -34,7 +49,7 @@ def render_config(
         return "\n".join(
             f"{k:<{width}}  {v['value']!r:<40}  {v['source']}" for k, v in table.items()
         )
-    values = {k: s.value for k, s in sorted(resolved.values.items())}
+    values = shown_values(resolved)
     if as_json:
         return json.dumps(values, indent=2)
     header = f"# platform={resolved.platform} profile={resolved.profile}"

@@ -7,6 +7,8 @@ lists instead of starting processes.
 
 from __future__ import annotations
 
+import itertools
+import re
 import shlex
 import subprocess
 import sys
@@ -34,7 +36,7 @@ class CommandError(RuntimeError):
     def __init__(self, result: Result, what: str = "") -> None:
         self.result = result
         tail = (result.stderr or result.stdout).strip().splitlines()[-5:]
-        msg = f"{what or 'command'} failed (exit {result.returncode}): {shlex.join(result.argv)}"
+        msg = f"{what or 'command'} failed (exit {result.returncode}): {shlex.join(mask_argv(result.argv))}"
         if tail:
             msg += "\n  " + "\n  ".join(tail)
         super().__init__(msg)
@@ -96,7 +98,7 @@ class SubprocessRunner:
             print(format_command(argv, cwd=cwd), file=self.out)
             return Result(argv, 0)
         if self.echo:
-            print(f"+ {shlex.join(argv)}", file=sys.stderr)
+            print(f"+ {shlex.join(mask_argv(argv))}", file=sys.stderr)
         try:
             proc = subprocess.run(
                 argv,
@@ -171,6 +173,56 @@ class RecordingRunner:
 
 
 def format_command(argv: Sequence[str], *, cwd: Path | None = None) -> str:
-    """A shell line a user can paste: `cd DIR && cmd args`."""
-    line = shlex.join(argv)
+    """A shell line a user can paste: `cd DIR && cmd args`, with secrets masked (mask_argv)."""
+    line = shlex.join(mask_argv(argv))
     return f"cd {shlex.quote(str(cwd))} && {line}" if cwd is not None else line
+
+
+# --- secrets: what `--dry-run`, logs and `invoke config` never print ---------------------------
+
+MASK = "***"
+# Name parts that mark a secret; whole parts only, so VLLM_MAX_BATCHED_TOKENS and VLLM_TOKENIZER
+# (TOKENS, TOKENIZER) stay visible while HF_TOKEN, DASHBOARD_TOKEN and OPENAI_API_KEY do not.
+_SECRET_PARTS = {"TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "CREDENTIALS", "APIKEY"}
+_SECRET_PAIRS = {("API", "KEY"), ("ACCESS", "KEY"), ("PRIVATE", "KEY"), ("AUTH", "KEY")}
+
+
+def is_secret_name(name: str) -> bool:
+    """Whether a setting, environment variable or --flag name holds a secret (HF_TOKEN,
+    DASHBOARD_TOKEN, VLLM_API_KEY, --api-key, --hf-token, AWS_SECRET_ACCESS_KEY, ...)."""
+    parts = [p for p in re.split(r"[^A-Z0-9]+", name.upper()) if p]
+    return bool(_SECRET_PARTS & set(parts)) or any(pair in _SECRET_PAIRS
+                                                   for pair in itertools.pairwise(parts))
+
+
+def mask_argv(argv: Sequence[str]) -> list[str]:
+    """argv with the value of every secret flag (`--api-key V`, `--hf-token=V`) and of every
+    secret `KEY=V` word (`env HF_TOKEN=V ...`, `-e DASHBOARD_TOKEN=V`) replaced by ***."""
+    out: list[str] = []
+    hide_next = False
+    for word in (str(a) for a in argv):
+        if hide_next:
+            out.append(MASK)
+            hide_next = False
+            continue
+        name, sep, _ = word.partition("=")
+        if word.startswith("-") and is_secret_name(name):
+            if sep:
+                out.append(f"{name}={MASK}")
+            else:
+                out.append(word)
+                hide_next = True
+            continue
+        if sep and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) and is_secret_name(name):
+            out.append(f"{name}={MASK}")
+            continue
+        out.append(word)
+    return out
+
+
+def mask_text(text: str, secrets: Sequence[str]) -> str:
+    """`text` with every occurrence of each secret value replaced by ***. Values shorter than
+    4 characters are left alone: masking every "1" would garble the text and hide nothing."""
+    for secret in sorted({s for s in secrets if len(s) >= 4}, key=len, reverse=True):
+        text = text.replace(secret, MASK)
+    return text

@@ -38,9 +38,10 @@ from urllib.parse import urlsplit
 
 import httpx
 from fastapi import Depends, FastAPI, HTTPException, Request, Response
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from vllmstack.bench import history
 from vllmstack.core.errors import StackError
@@ -160,8 +161,24 @@ def _file_tag(path: Path) -> str:
     return '"' + ":".join(parts) + '"'
 
 
+def _json_safe(value: Any) -> Any:
+    """`value` if JSON can carry it, else its text (NaN and infinities are not JSON)."""
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        return repr(value)
+    return value
+
+
 class RunOptions(BaseModel):
-    """What a page may choose for a run; everything else comes from the profile."""
+    """What a page may choose for a run; everything else comes from the profile.
+
+    Strict: `true` is not a number and "8" is not a count (JSON has types; a page that sends the
+    wrong one has a bug worth seeing), NaN and infinities are refused, and a field this API does
+    not know is a 422 naming it rather than an option silently ignored.
+    """
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
     pp: int | None = Field(default=None, ge=1, le=1_000_000)
     tg: int | None = Field(default=None, ge=1, le=1_000_000)
@@ -282,6 +299,15 @@ def create_app(
     app.state.live = live
     app.state.runs = runs
     app.state.poll_once = poll_once
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's own handler echoes the input back; a NaN there makes the 422 itself fail
+        # to serialize (a 500). Say where and what, and echo only JSON-safe input.
+        detail = [{"loc": list(err.get("loc", ())), "msg": err.get("msg", ""),
+                   "type": err.get("type", ""), "input": _json_safe(err.get("input"))}
+                  for err in exc.errors()]
+        return JSONResponse(status_code=422, content={"detail": detail})
 
     @app.middleware("http")
     async def no_store(request: Request, call_next: Any) -> Any:

@@ -24,6 +24,7 @@ from vllmstack.core.errors import StackError
 from vllmstack.core.findings import Finding
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Result, Runner
+from vllmstack.image import cpu
 from vllmstack.image.patches import (
     COMPONENTS,
     PatchError,
@@ -299,6 +300,10 @@ def build_image(project: Project, resolved: Resolved, runner: Runner, *,
 
     `say` gets the verification report as soon as it is known, before the build starts.
     """
+    if cpu.is_cpu_platform(resolved):  # Dockerfile.cpu: vLLM's CPU build, none of the ROCm pins
+        made = cpu.build_cpu_image(project, resolved, runner, environ=environ, no_cache=no_cache, say=say)
+        plan = BuildPlan(made.argv, made.labels) if made.argv else None
+        return BuildOutcome(None, made.findings, plan, made.result)
     findings = pin_findings(project, resolved)
     if not (project.root / BUILD_FILE).is_file():
         findings.append(Finding("error", "no-dockerfile", f"{BUILD_FILE} is missing",

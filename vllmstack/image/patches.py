@@ -9,11 +9,18 @@ Layout (one folder per upstream repository):
 .cache/mirrors (vllmstack.image.sources) and asks scripts/apply-patches.py (the
 same script the image build runs) for the status of every patch at the pinned
 ref, on a scratch index: no checkout, so a warm run takes seconds even for vLLM.
+
+What a patch folder holds (its patches, in order, and anything that does not belong there) is
+decided by one function, `discover` in scripts/apply-patches.py; this module imports it from
+that file, so the build, the verification and the patch-set label can never disagree. The
+script stays standard-library only, for bare build images.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import importlib.util
 import json
 import re
 import sys
@@ -21,13 +28,14 @@ import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from vllmstack.config.profiles import Resolved
 from vllmstack.core.errors import StackError
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner
-from vllmstack.image.sources import GitTool, SourceError, is_url, local_repo
+from vllmstack.image.sources import GitTool, SourceError, archive_repo, is_sdist, is_url, local_repo
 
 # Patch folder name -> the settings that name its repository and ref.
 COMPONENTS: dict[str, tuple[str, str]] = {
@@ -35,7 +43,8 @@ COMPONENTS: dict[str, tuple[str, str]] = {
     "aiter": ("AITER_REPO", "AITER_REF"),
     "flash-attention": ("FLASH_ATTN_REPO", "FLASH_ATTN_REF"),
 }
-PATCH_NAME = re.compile(r"^(\d+)-[A-Za-z0-9][A-Za-z0-9._+-]*\.patch$")
+# The patch script of this checkout (the one the image build copies).
+PATCH_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "apply-patches.py"
 MANIFEST = "overlays.toml"
 OVERLAY_FIELDS = {"name", "file", "target", "ref", "base_sha256", "why", "upstream"}
 OVERLAY_REQUIRED = ("name", "file", "target", "ref", "base_sha256")
@@ -146,12 +155,35 @@ def overlay_lock(overlays: Sequence[Overlay]) -> str:
 
 # --- patch folders ---------------------------------------------------------------------------
 
+@functools.cache
+def _patch_script(path: Path) -> ModuleType:
+    """scripts/apply-patches.py as a module (it is a script, not part of the package)."""
+    name = "_vllmstack_apply_patches_" + hashlib.sha256(str(path).encode()).hexdigest()[:8]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None or not path.is_file():
+        raise PatchError(f"the patch script {path} is missing",
+                         "restore scripts/apply-patches.py (git checkout -- scripts)")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while it executes
+    spec.loader.exec_module(module)
+    return module
+
+
+def discover(folder: Path, script: Path | None = None) -> tuple[list[Path], list[str]]:
+    """(the patches the build applies from `folder`, in order; the entries that are neither a
+    patch nor allowed beside one), by the patch script's own `discover`. A missing folder, or
+    one that is a file, raises PatchError."""
+    module = _patch_script(script or PATCH_SCRIPT)
+    try:
+        patches, strays = module.discover(folder)
+    except module.PatchToolError as exc:
+        raise PatchError(str(exc)) from exc
+    return [Path(p) for p in patches], [str(s) for s in strays]
+
+
 def patch_files(folder: Path) -> list[Path]:
     """The files the build applies, in order (what the patch-set hash covers)."""
-    if not folder.is_dir():
-        return []
-    found = [p for p in folder.iterdir() if p.is_file() and PATCH_NAME.match(p.name)]
-    return sorted(found, key=lambda p: (int(p.name.split("-", 1)[0]), p.name))
+    return discover(folder)[0]
 
 
 def patch_set_hash(folder: Path) -> str:
@@ -194,7 +226,12 @@ class ComponentReport:
     # sha256 of each overlay target at the verified commit (what a build from it contains).
     upstream_hashes: dict[str, str | None] = field(default_factory=dict)
     error: str = ""
+    fix: str = ""
     note: str = ""
+
+    def fail(self, exc: StackError) -> ComponentReport:
+        self.error, self.fix = str(exc), exc.fix or ""
+        return self
 
     @property
     def failed(self) -> bool:
@@ -209,6 +246,8 @@ class ComponentReport:
         }
         if self.error:
             data["error"] = self.error
+        if self.fix:
+            data["fix"] = self.fix
         if self.note:
             data["note"] = self.note
         return data
@@ -254,55 +293,84 @@ def verify_patches(
     patch_dirs: Mapping[str, str] | None = None,
     tool: Path | None = None,
 ) -> VerifyReport:
-    """Status of every patch and overlay of every patch folder, at the pinned (or given) refs."""
+    """Status of every patch and overlay of every patch folder, at the pinned (or given) refs.
+
+    Never "clean" about patches it did not check: a known component's missing folder, a folder
+    named with --patches that holds no patch, and anything in a folder that is not a patch the
+    build applies are errors of that component."""
     refs, repos, patch_dirs = refs or {}, repos or {}, patch_dirs or {}
     tool = tool or project.root / "scripts" / "apply-patches.py"
     git = GitTool(runner, project.cache, environ)
-    names = component_folders(project)
-    names += [n for n in patch_dirs if n not in names]
-    reports = []
+    # Every known component: the image build copies each one's folder (Dockerfile.fullbuild).
+    names = list(COMPONENTS) + [n for n in component_folders(project) if n not in COMPONENTS]
+    reports = [r for r in [_stray_files(project)] if r is not None]
     for name in names:
         folder = Path(patch_dirs[name]) if name in patch_dirs else project.patches / name
         if not folder.is_absolute():
             folder = project.root / folder
         reports.append(_verify_component(project, resolved, git, tool, name, folder,
-                                         refs.get(name), repos.get(name)))
+                                         refs.get(name), repos.get(name),
+                                         named=name in patch_dirs))
     return VerifyReport(reports)
 
 
+def _stray_files(project: Project) -> ComponentReport | None:
+    """Files directly under patches/ (a patch dropped one folder too high is never applied)."""
+    if not project.patches.is_dir():
+        return None  # each component's missing folder is its own error
+    strays = sorted(p.name for p in project.patches.iterdir()
+                    if not p.is_dir() and not p.name.endswith(".md"))
+    if not strays:
+        return None
+    return ComponentReport("patches", "", "", project.patches, error=(
+        f"patches/{', patches/'.join(strays)}: not inside a component folder, so no build "
+        "applies it"), fix=f"move it into patches/<component>/ ({', '.join(COMPONENTS)})")
+
+
 def _verify_component(project: Project, resolved: Resolved, git: GitTool, tool: Path, name: str,
-                      folder: Path, ref: str | None, repo: str | None) -> ComponentReport:
+                      folder: Path, ref: str | None, repo: str | None, *,
+                      named: bool = False) -> ComponentReport:
     keys = COMPONENTS.get(name)
     if keys is None:
         return ComponentReport(name, "", "", folder, error=(
             f"unknown patch folder patches/{name}: known components are "
-            f"{', '.join(COMPONENTS)} (rename the folder)"))
+            f"{', '.join(COMPONENTS)}"), fix="rename the folder, or move its patches into one")
     repo = repo or resolved.get_raw(keys[0])
     ref = ref or resolved.get_raw(keys[1])
     report = ComponentReport(name, repo, ref, folder)
+    display = _display(project, folder)
     try:
+        patches, strays = discover(folder, tool)
         overlays = load_overlays(project, name) if folder == project.patches / name else []
     except PatchError as exc:
-        report.error = str(exc)
-        return report
-    if not patch_files(folder) and not overlays:
-        return report  # nothing to check: no need to mirror the repository
+        if folder.exists():
+            return report.fail(exc)
+        return report.fail(PatchError(f"the patch folder {display} does not exist", (
+            f"fix the path given to --patches {name}=" if named else
+            f"restore it (git checkout -- {display}); the image build copies it")))
+    if strays:
+        return report.fail(PatchError(
+            f"{display}: {', '.join(strays)}: not a patch the build applies",
+            "name patches NNNN-topic.patch (NNNN sets the order; notes may be *.md), or move "
+            "the rest out of the folder"))
+    if not patches and not overlays:
+        if named:
+            return report.fail(PatchError(
+                f"--patches {name}={folder}: the folder holds no NNNN-topic.patch file, so there "
+                "is nothing to verify", "point --patches at the folder that holds the patches"))
+        report.note = f"{display} holds no patches (notes only): nothing to verify"
+        return report  # no need to mirror the repository
     if not repo or not ref:
-        report.error = (f"{keys[0]} and {keys[1]} must be set to verify patches/{name} "
+        report.error = (f"{keys[0]} and {keys[1]} must be set to verify {display} "
                         f"(in .env, or --repo/--ref {name}=...)")
         return report
-    if not tool.is_file():
-        report.error = f"the patch script {tool} is missing"
-        return report
     try:
-        source = repo if is_url(repo) else str(local_repo(project, repo))
-        mirror = git.ensure_mirror(source)
+        mirror = _mirror(project, git, name, repo)
         report.commit, report.note = git.resolve(mirror, repo, ref)
         data = run_patch_tool(git, tool, mirror, report.commit, folder,
                               [o.target for o in overlays])
     except (SourceError, PatchError) as exc:
-        report.error = str(exc)
-        return report
+        return report.fail(exc)
     touched: dict[str, list[str]] = {}
     for entry in data.get("patches", []):
         report.patches.append(Status(entry["name"], entry["status"], entry.get("detail", "")))
@@ -312,6 +380,22 @@ def _verify_component(project: Project, resolved: Resolved, git: GitTool, tool: 
     report.overlays = [_overlay_status(o, ref, report.upstream_hashes.get(o.target), touched)
                        for o in overlays]
     return report
+
+
+def _mirror(project: Project, git: GitTool, name: str, repo: str) -> Path:
+    """The bare mirror of `repo`: a URL, a local repository, or an sdist made into one."""
+    if is_url(repo):
+        try:
+            return git.ensure_mirror(repo)
+        except SourceError as exc:
+            sdist = "; for vLLM its sdist works too: --repo vllm=vllm-<VLLM_VERSION>.tar.gz " \
+                "(from https://pypi.org/project/vllm/#files)" if name == "vllm" else ""
+            raise SourceError(exc.cause, f"{exc.fix}. Offline, point --repo {name}=PATH at a local "
+                              f"clone or bare mirror of it{sdist}") from exc
+    path = local_repo(project, repo)
+    if is_sdist(path):
+        path = archive_repo(project.cache, git.runner, path, environ=git.environ)
+    return git.ensure_mirror(str(path))
 
 
 def run_patch_tool(git: GitTool, tool: Path, mirror: Path, commit: str, folder: Path,
@@ -360,16 +444,23 @@ def render_report(report: VerifyReport) -> str:
         lines.append(f"{comp.name}: {where}")
         if comp.error:
             lines.append(f"  ERROR {comp.error}")
+            if comp.fix:
+                lines.append(f"  fix:  {comp.fix}")
             continue
         if comp.note:
             lines.append(f"  note: {comp.note}")
-        if not comp.patches and not comp.overlays:
-            lines.append("  no patches, no overlays")
         for item, kind in [(p, "patch") for p in comp.patches] + [
                 (o, "overlay") for o in comp.overlays]:
             text = f"  {item.status:13} {kind:7} {item.name}"
             lines.append(text + (f"\n{'':24}{item.detail}" if item.detail else ""))
-    verdict = "FAILED: the build would stop (see above)" if report.failed else "all clean"
+    patches = sum(len(c.patches) for c in report.components)
+    overlays = sum(len(c.overlays) for c in report.components)
+    if report.failed:
+        verdict = "FAILED: the build would stop (see above)"
+    elif patches or overlays:
+        verdict = f"all clean: {patches} patch(es) and {overlays} overlay(s) checked"
+    else:
+        verdict = "nothing to verify: no patch folder holds a patch or an overlay"
     lines.append(verdict)
     return "\n".join(lines)
 

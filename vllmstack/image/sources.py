@@ -2,7 +2,9 @@
 
 `GitTool` keeps one bare mirror per repository under .cache/mirrors (branches and tags only)
 and resolves refs in it; `sdist_repo` makes a git repository from a PyPI sdist where the git
-host is out of reach (CI, benchmarks). vllmstack.image.patches verifies patches against both.
+host is out of reach (CI, benchmarks), and `archive_repo` one from an sdist on disk (what
+`--repo vllm=vllm-X.Y.Z.tar.gz` points at offline). vllmstack.image.patches verifies patches
+against all of them.
 """
 
 from __future__ import annotations
@@ -80,6 +82,8 @@ class GitTool:
         for step in steps:
             ok, out = self.git(partial, *step)
             if not ok:
+                # Half a mirror is no cache: the next run starts over anyway.
+                shutil.rmtree(partial, ignore_errors=True)
                 raise SourceError(f"cannot mirror {repo}: git {step[0]} failed: {out[-400:]}",
                                   "check the repository's URL and the network; a private one needs "
                                   "credentials git can use without a prompt")
@@ -113,8 +117,13 @@ def local_repo(project: Project, repo: str) -> Path:
     if not path.is_absolute():
         path = project.root / path
     if not path.exists():
-        raise SourceError(f"repository {repo} does not exist (a URL, or a path to a git repository)")
+        raise SourceError(f"repository {repo} does not exist (a URL, a path to a git repository, "
+                          "or an sdist NAME-VERSION.tar.gz)")
     return path.resolve()
+
+
+def is_sdist(path: Path) -> bool:
+    return path.is_file() and path.name.endswith(".tar.gz")
 
 
 # --- a vLLM source repository from the PyPI sdist (tests, benchmark) ---------------------------
@@ -130,27 +139,57 @@ def sdist_repo(cache: Path, runner: Runner, *, name: str = "vllm", version: str,
     upstream repository where the git host is out of reach (CI, benchmarks).
     """
     repo = cache / "sources" / f"{name}-{version}"
+    if _tagged(runner, repo, f"v{version}", environ):
+        return repo
+    return archive_repo(cache, runner, download_sdist(cache / "sdist", name, version),
+                        environ=environ)
+
+
+def _tagged(runner: Runner, repo: Path, tag: str, environ: Mapping[str, str]) -> bool:
+    return runner.run(["git", "-C", str(repo), "rev-parse", "--verify", "--quiet", tag],
+                      env=dict(environ), mutates=False).ok
+
+
+def archive_repo(cache: Path, runner: Runner, archive: Path, *,
+                 environ: Mapping[str, str]) -> Path:
+    """A git repository of the sdist `archive` (NAME-VERSION.tar.gz), tagged vVERSION, cached
+    under `cache`/sources."""
+    stem = archive.name.removesuffix(".tar.gz")
+    name, _, version = stem.rpartition("-")
+    if not name or not version[:1].isdigit():
+        raise SourceError(f"{archive} is not named like an sdist (NAME-VERSION.tar.gz)",
+                          "point --repo at the sdist as PyPI names it, e.g. vllm-0.31.0.tar.gz")
+    repo = cache / "sources" / stem
     tag = f"v{version}"
     env = {**environ, "GIT_AUTHOR_NAME": "sdist", "GIT_AUTHOR_EMAIL": "sdist@localhost",
            "GIT_COMMITTER_NAME": "sdist", "GIT_COMMITTER_EMAIL": "sdist@localhost",
            "GIT_AUTHOR_DATE": "2000-01-01T00:00:00Z", "GIT_COMMITTER_DATE": "2000-01-01T00:00:00Z"}
-    if runner.run(["git", "-C", str(repo), "rev-parse", "--verify", "--quiet", tag],
-                  env=env, mutates=False).ok:
+    if _tagged(runner, repo, tag, env):
         return repo
-    archive = download_sdist(cache / "sdist", name, version)
     building = repo.with_name(repo.name + ".partial")
     shutil.rmtree(building, ignore_errors=True)
     building.mkdir(parents=True)
-    with tarfile.open(archive) as tar:
-        top = f"{name}-{version}/"
-        members = [m for m in tar.getmembers() if m.name.startswith(top) and m.isreg()]
-        for member in members:
-            member.name = member.name[len(top):]
-        tar.extractall(building, members=members, filter="data")
-    for argv in (["git", "init", "--quiet"], ["git", "add", "--all", "--force"],
-                 ["git", "commit", "--quiet", "--no-verify", "-m", f"{name} {version} (sdist)"],
-                 ["git", "tag", tag]):
-        runner.run(argv, cwd=building, env=env, check=True)
+    try:
+        with tarfile.open(archive) as tar:
+            top = f"{stem}/"
+            members = [m for m in tar.getmembers() if m.name.startswith(top) and m.isreg()]
+            if not members:
+                raise SourceError(f"{archive} has no {top} folder, so it is not an sdist of "
+                                  f"{name} {version}", "use the sdist as PyPI ships it")
+            for member in members:
+                member.name = member.name[len(top):]
+            tar.extractall(building, members=members, filter="data")
+        for argv in (["git", "init", "--quiet"], ["git", "add", "--all", "--force"],
+                     ["git", "commit", "--quiet", "--no-verify", "-m", f"{name} {version} (sdist)"],
+                     ["git", "tag", tag]):
+            runner.run(argv, cwd=building, env=env, check=True)
+    except (OSError, tarfile.TarError) as exc:
+        shutil.rmtree(building, ignore_errors=True)
+        raise SourceError(f"cannot unpack {archive}: {exc}",
+                          "download the sdist again (the file may be cut short)") from exc
+    except BaseException:
+        shutil.rmtree(building, ignore_errors=True)
+        raise
     building.rename(repo)
     return repo
 

@@ -58,6 +58,23 @@ Sample = tuple[dict[str, str], float]
 
 
 @dataclass(frozen=True)
+class CacheLayout:
+    """The prefix-cache geometry `vllm:cache_config_info` reports (labels, as vLLM 0.27 names
+    them: `block_size`, `mamba_cache_mode`, `enable_prefix_caching`), plus whether speculative
+    decoding counters are exposed. None where the engine does not say."""
+
+    block_size: int | None
+    mamba_cache_mode: str | None  # "none" for attention-only models, "align" for hybrids
+    prefix_caching: bool | None
+    spec_decode: bool
+
+    @property
+    def hybrid(self) -> bool:
+        """A model with Mamba-style (linear-attention) layers caching its state per block."""
+        return self.mamba_cache_mode not in (None, "none")
+
+
+@dataclass(frozen=True)
 class MetricsSnapshot:
     """One scrape: sample name -> [(labels, value), ...] in exposition order."""
 
@@ -177,6 +194,20 @@ class MetricsSnapshot:
     @property
     def cache_config(self) -> dict[str, str]:
         return self.labels_of(CACHE_CONFIG) or {}
+
+    @property
+    def cache_layout(self) -> CacheLayout:
+        """How the engine's prefix cache is laid out (see `CacheLayout`)."""
+        labels = self.cache_config
+        raw_block = labels.get("block_size", "")
+        mode = labels.get("mamba_cache_mode")
+        prefix = labels.get("enable_prefix_caching")
+        return CacheLayout(
+            block_size=int(raw_block) if raw_block.isdigit() and int(raw_block) > 0 else None,
+            mamba_cache_mode=None if mode in (None, "", "None") else mode.lower(),
+            prefix_caching=None if prefix in (None, "", "None") else prefix.lower() == "true",
+            spec_decode=self.has(SPEC_DRAFTS),
+        )
 
     @property
     def model_name(self) -> str | None:

@@ -9,19 +9,24 @@ layer never asks which runtime it has.
 from __future__ import annotations
 
 import json
+import os
+import shlex
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+import yaml
+from dotenv import dotenv_values
+
 from vllmstack.config.profiles import Resolved
 from vllmstack.config.vllm_args import ServeCommand
 from vllmstack.core.errors import StackError
 from vllmstack.core.paths import Project
-from vllmstack.core.runner import Runner
+from vllmstack.core.runner import Result, Runner
 from vllmstack.image import build
-from vllmstack.runtime import compose_files, engine_env
+from vllmstack.runtime import compose_files, dashboard_image, engine_env, flavours
 from vllmstack.runtime.base import MISSING, EngineState
 from vllmstack.runtime.compose_files import DASHBOARD_SERVICE, ENGINE_SERVICE, PACKAGE_LABEL
 
@@ -35,9 +40,6 @@ AITER_PREWARM = ("import aiter; "
 EXEC_PREFIX = ('for d in /opt/venv/bin "$(dirname "$(readlink -f /opt/vllm-package 2>/dev/null)" '
                '2>/dev/null)/../../../bin"; do [ -x "$d/python3" ] && PATH="$d:$PATH" && break; '
                'done; exec "$@"')
-# A system CA bundle handed to pip inside the build as a secret (never baked into the image), for
-# hosts behind a TLS-re-signing proxy; harmless elsewhere.
-CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 
 
 class ComposeError(StackError):
@@ -49,28 +51,43 @@ class ComposeCli:
     runtime: str  # compose | compose-v1 | podman
     base: tuple[str, ...]  # how compose is invoked
     engine: str  # the container CLI for inspect/logs (docker binary or podman)
+    # What this runtime does differently (runtime/flavours.py); default: the runtime's usual one.
+    flavour: flavours.Flavour | None = None
+
+    @property
+    def traits(self) -> flavours.Flavour:
+        return self.flavour or flavours.FLAVOURS.get(self.runtime, flavours.COMPOSE_V2)
 
     def argv(self, project_name: str, files: list[Path], env_file: Path, *args: str) -> list[str]:
         out = [*self.base, "-p", project_name]
         for path in files:
             out += ["-f", str(path)]
-        return [*out, "--env-file", str(env_file), *args]
+        if self.traits.env_file_flag:
+            out += ["--env-file", str(env_file)]
+        return [*out, *args]
 
 
 def detect_compose(runner: Runner, docker: str, requested: str = "auto") -> ComposeCli:
-    """Pick Compose v2, Compose v1 or Podman (in that order for `auto`)."""
+    """Pick Compose v2, Compose v1 or Podman (in that order for `auto`).
+
+    Podman: podman-compose itself first (its version decides which arguments it takes), then
+    `podman compose` (Podman 4.7+, which hands over to an installed provider)."""
     candidates = {
-        "compose": ComposeCli("compose", (docker, "compose"), docker),
-        "compose-v1": ComposeCli("compose-v1", ("docker-compose",), docker),
-        "podman": ComposeCli("podman", ("podman", "compose"), "podman"),
+        "compose": [ComposeCli("compose", (docker, "compose"), docker)],
+        "compose-v1": [ComposeCli("compose-v1", ("docker-compose",), docker)],
+        "podman": [ComposeCli("podman", ("podman-compose",), "podman"),
+                   ComposeCli("podman", ("podman", "compose"), "podman")],
     }
     if requested not in ("auto", *candidates):
         raise ComposeError(f"unknown runtime {requested!r}: use compose, compose-v1, podman or native")
     order = list(candidates) if requested == "auto" else [requested]
     tried = []
-    for name in order:
-        cli = candidates[name]
-        if runner.run([*cli.base, "version"], mutates=False, timeout=20).ok:
+    for cli in (c for name in order for c in candidates[name]):
+        result = runner.run([*cli.base, "version"], mutates=False, timeout=20)
+        if result.ok:
+            if cli.runtime == "podman":
+                return ComposeCli(cli.runtime, cli.base, cli.engine,
+                                  flavours.podman_flavour(result.stdout + result.stderr))
             return cli
         tried.append(" ".join(cli.base))
     raise ComposeError(
@@ -106,6 +123,53 @@ class ComposeEngine:
     def compose(self, *args: str) -> list[str]:
         return self.cli.argv(self.project_name, self.files, self.env_file, *args)
 
+    def _compose_env(self) -> dict[str, str] | None:
+        """The environment for compose, or None to inherit this one.
+
+        Where compose has no --env-file, the rendered values go on top of this environment (read
+        back exactly with python-dotenv, the parser podman-compose itself uses). Where the engine
+        fails on a DOCKER_CONFIG folder without config.json (Podman), that variable is dropped."""
+        traits = self.cli.traits
+        env: dict[str, str] | None = None
+        if not traits.env_file_flag:
+            values = dotenv_values(self.env_file) if self.env_file.is_file() else {}
+            env = {**(self.environ or os.environ),
+                   **{k: v for k, v in values.items() if v is not None}}
+        if traits.docker_config_needs_file:
+            base = env if env is not None else dict(self.environ or os.environ)
+            config = base.get("DOCKER_CONFIG")
+            if config and not (Path(config) / "config.json").is_file():
+                env = {k: v for k, v in base.items() if k != "DOCKER_CONFIG"}
+        return env
+
+    def _run_compose(self, *args: str, **kwargs: Any) -> Result:
+        return self.runner.run(self.compose(*args), env=self._compose_env(), **kwargs)
+
+    def _profile(self) -> list[str]:
+        """--profile dashboard where understood; elsewhere every service is active anyway."""
+        return ["--profile", DASHBOARD_SERVICE] if self.cli.traits.profile_flag else []
+
+    def _run_args(self, service: str) -> list[str]:
+        """Keys this compose drops silently (flavour.run_args_for), as --podman-run-args."""
+        keys = self.cli.traits.run_args_for
+        if not keys:
+            return []
+        merged: dict[str, Any] = {}
+        for path in self.files:
+            try:
+                data = yaml.safe_load(path.read_text()) or {}
+            except (OSError, yaml.YAMLError):
+                continue
+            merged.update({k: v for k, v in ((data.get("services") or {}).get(service) or {}).items()
+                           if k in keys})
+        args = [f"--ipc={merged['ipc']}"] if "ipc" in merged else []
+        args += [f"--group-add={group}" for group in merged.get("group_add") or []]
+        args += [f"--userns={merged['userns_mode']}"] if "userns_mode" in merged else []
+        return [f"--podman-run-args={shlex.join(args)}"] if args else []
+
+    def container_name(self, service: str) -> str:
+        return flavours.container_name(self.cli.traits, self.project_name, service)
+
     def _label_filter(self, service: str | None = None) -> list[str]:
         out = ["--filter", f"label=com.docker.compose.project={self.project_name}"]
         if service:
@@ -123,8 +187,10 @@ class ComposeEngine:
     def start(self) -> None:
         self._cid = None  # recreated: a new container id
         # Recreate so the restart counter starts at zero and the new command applies.
-        result = self.runner.run(self.compose("up", "-d", "--force-recreate", "--no-deps",
-                                              self.service), timeout=600)
+        result = self._run_compose(*self._run_args(self.service), "up", "-d", "--force-recreate",
+                                   "--no-deps", self.service, timeout=600)
+        if result.ok and self._did_not_start(self.service):
+            result = Result(result.argv, 1, result.stdout, result.stderr)
         if not result.ok:
             image = self.resolved.get_str("VLLM_IMAGE") if self.resolved else "the engine image"
             raise ComposeError(
@@ -149,6 +215,8 @@ class ComposeEngine:
             return MISSING
         status = str(state.get("Status", "unknown")).lower()
         health = (state.get("Health") or {}).get("Status")
+        if self.cli.traits.health_needs_systemd and not Path("/run/systemd/system").is_dir():
+            health = None  # no systemd, no health check ever runs: "starting" would be a lie
         return EngineState(
             exists=True,
             running=bool(state.get("Running")) and status == "running",
@@ -167,13 +235,16 @@ class ComposeEngine:
         return result.stdout.splitlines()
 
     def stop(self) -> None:
-        self.runner.run(self.compose("stop", "-t", "10", self.service), timeout=120)
+        self._run_compose("stop", "-t", "10", self.service, timeout=120)
 
     def remove(self) -> None:
         self._cid = None
         if self.env_file.is_file():
-            self.runner.run(self.compose("--profile", "dashboard", "down", "--remove-orphans",
-                                         "-t", "20"), timeout=300)
+            orphans = ["--remove-orphans"] if self.cli.traits.down_remove_orphans else []
+            self._run_compose(*self._profile(), "down", *orphans, "-t", "20", timeout=300)
+            if self.cli.traits.leaves_network:
+                network = self.cli.traits.leaves_network.format(project=self.project_name)
+                self.runner.run([self.cli.engine, "network", "rm", network], timeout=60)
             return
         # Never rendered here (or generated/ was deleted): remove by the project label.
         ids = self.runner.run([self.cli.engine, "ps", "-aq", *self._label_filter()], mutates=False)
@@ -181,20 +252,18 @@ class ComposeEngine:
             self.runner.run([self.cli.engine, "rm", "-f", *ids.stdout.split()], timeout=120)
 
     def members(self) -> list[dict[str, Any]]:
+        array = self.cli.traits.ps_json_array
         result = self.runner.run([self.cli.engine, "ps", "-a", *self._label_filter(), "--format",
-                                  "{{json .}}"], mutates=False, timeout=30)
-        out: list[dict[str, Any]] = []
-        for line in result.stdout.splitlines() if result.ok else []:
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            labels = str(row.get("Labels", ""))
-            service = next((part.split("=", 1)[1] for part in labels.split(",")
-                            if part.startswith("com.docker.compose.service=")), None)
-            out.append({"name": row.get("Names"), "service": service, "state": row.get("State"),
-                        "status": row.get("Status"), "image": row.get("Image")})
-        return out
+                                  "json" if array else "{{json .}}"], mutates=False, timeout=30)
+        return [_member(row) for row in _ps_rows(result.stdout if result.ok else "", array)]
+
+    def _did_not_start(self, service: str) -> bool:
+        """Where compose exits 0 after a failed `podman run`, whether `service` never started (no
+        container, or one left "created"; one that started and exited is the watcher's to diagnose)."""
+        if self.cli.traits.exit_status_reliable or getattr(self.runner, "dry_run", False):
+            return False
+        states = [m["state"] for m in self.members() if m["service"] == service]
+        return not states or all(state in ("created", "configured", "initialized") for state in states)
 
     def image_id(self, image: str) -> str | None:
         result = self.runner.run([self.cli.engine, "image", "inspect", "--format", "{{.Id}}", image],
@@ -231,7 +300,7 @@ class ComposeEngine:
             print(("(dry run) " if dry_run else "") + line, file=self.out)
         override, notes = compose_files.build_override(
             project, resolved, command, runtime=self.cli.runtime, ids=ids, paths=paths,
-            package_dir=(labels or {}).get(PACKAGE_LABEL))
+            package_dir=(labels or {}).get(PACKAGE_LABEL), host=flavours.probe_host())
         env = compose_files.interpolation_env(resolved, ids, paths)
         rendered = compose_files.write_rendered(project, resolved, command, override, env, notes)
         for note in notes:
@@ -257,9 +326,9 @@ class ComposeEngine:
                 lock.unlink(missing_ok=True)
         print("prewarming AITER JIT kernels (once per image, cached under "
               f"{paths.engine_cache})", file=self.out)
-        result = self.runner.run(self.compose("run", "--rm", "--no-deps", "-T", "--entrypoint",
-                                              "python3", ENGINE_SERVICE, "-c", AITER_PREWARM),
-                                 capture=False, timeout=3600)
+        result = self._run_compose(*self._run_args(ENGINE_SERVICE), "run", "--rm", "--no-deps", "-T",
+                                   "--entrypoint", "python3", ENGINE_SERVICE, "-c", AITER_PREWARM,
+                                   capture=False, timeout=3600)
         if not result.ok:
             raise ComposeError(
                 "building AITER's JIT kernels failed (see the output above)",
@@ -276,42 +345,80 @@ class ComposeEngine:
         image = resolved.get_str("DASHBOARD_IMAGE")
         if not self.image_exists(image):
             self.build_dashboard_image(project, resolved, image)
-        result = self.runner.run(self.compose("--profile", "dashboard", "up", "-d", "--no-deps",
-                                              DASHBOARD_SERVICE), timeout=300)
+        result = self._run_compose(*self._profile(), *self._run_args(DASHBOARD_SERVICE), "up", "-d",
+                                   "--no-deps", DASHBOARD_SERVICE, timeout=300)
+        if result.ok and self._did_not_start(DASHBOARD_SERVICE):
+            result = Result(result.argv, 1, result.stdout, result.stderr)
         if not result.ok:
-            raise ComposeError(f"the dashboard did not start: {result.stderr.strip()[-500:]}")
+            raise ComposeError(f"the dashboard did not start: {result.stderr.strip()[-500:]}",
+                               "read `invoke logs --service dashboard`, or serve it in the "
+                               "foreground: `invoke dashboard`")
         bind = resolved.get_str("DASHBOARD_BIND")
         host = "localhost" if bind in ("127.0.0.1", "0.0.0.0") else bind
         print(f"dashboard at http://{host}:{resolved.get('DASHBOARD_PORT')}", file=self.out)
 
     def build_dashboard_image(self, project: Project, resolved: Resolved, image: str) -> None:
-        """BuildKit build of Dockerfile.dashboard (compose v1's classic builder cannot do secrets)."""
-        argv = ["env", "DOCKER_BUILDKIT=1", resolved.get_str("DOCKER"), "build", "-f",
-                "Dockerfile.dashboard", "-t", image,
-                "--build-arg", f"BASE_IMAGE={resolved.get('DASHBOARD_BASE_IMAGE')}"]
-        if CA_BUNDLE.is_file():
-            argv += ["--secret", f"id=pip_cert,src={CA_BUNDLE}"]
-        result = self.runner.run([*argv, "."], cwd=project.root, capture=False, timeout=1800)
+        """Build Dockerfile.dashboard with the client's default builder (BuildKit or classic)."""
+        print(f"building the dashboard image {image} (once)", file=self.out)
+        context = dashboard_image.build_context(
+            project.root, project.generated / dashboard_image.CONTEXT_DIR)
+        # The image must land in the engine's own store: podman builds for Podman.
+        builder = self.cli.engine if self.cli.traits.builder == "podman" else resolved.get_str("DOCKER")
+        argv = dashboard_image.build_argv(builder, image,
+                                          resolved.get_str("DASHBOARD_BASE_IMAGE"), context)
+        result = self.runner.run(argv, cwd=project.root, capture=False, timeout=1800)
         if not result.ok:
             raise ComposeError(
-                f"building the dashboard image {image} failed (see the build output above)",
-                "BuildKit is needed: set DOCKER=/usr/bin/docker in .env if your docker client lacks "
-                "buildx, or start the engine alone with --no-dashboard")
+                f"building the dashboard image {image} failed (exit {result.returncode}; see the "
+                "build output above)",
+                "check that DASHBOARD_BASE_IMAGE has python3 with venv and pip, and that pip "
+                "reaches its package index")
 
     def dashboard_down(self) -> None:
         if self.env_file.is_file():
-            self.runner.run(self.compose("--profile", "dashboard", "stop", DASHBOARD_SERVICE),
-                            timeout=120)
-            self.runner.run(self.compose("--profile", "dashboard", "rm", "-f", DASHBOARD_SERVICE),
-                            timeout=120)
+            self._run_compose(*self._profile(), "stop", DASHBOARD_SERVICE, timeout=120)
+            if self.cli.traits.has_rm:
+                self._run_compose(*self._profile(), "rm", "-f", DASHBOARD_SERVICE, timeout=120)
+            else:
+                self.runner.run([self.cli.engine, "rm", "-f", self.container_name(DASHBOARD_SERVICE)],
+                                timeout=120)
 
     def log_command(self, *, tail: int, follow: bool, service: str) -> list[str] | None:
-        return self.compose("--profile", "dashboard", "logs", "--tail", str(tail),
-                            *(["-f"] if follow else []), service)
+        follow_arg = ["-f"] if follow else []
+        if self.cli.traits.exec_through_engine:
+            return [self.cli.engine, "logs", "--tail", str(tail), *follow_arg,
+                    self.container_name(service)]
+        return self.compose(*self._profile(), "logs", "--tail", str(tail), *follow_arg, service)
 
     def exec_command(self, command: Sequence[str], *, tty: bool) -> list[str]:
-        return self.compose("exec", *([] if tty else ["-T"]), ENGINE_SERVICE, "sh", "-c",
-                            EXEC_PREFIX, "sh", *command)
+        inside = ["sh", "-c", EXEC_PREFIX, "sh", *command]
+        if self.cli.traits.exec_through_engine:
+            return [self.cli.engine, "exec", "-i", *(["-t"] if tty else []),
+                    self.container_name(ENGINE_SERVICE), *inside]
+        return self.compose("exec", *([] if tty else ["-T"]), ENGINE_SERVICE, *inside)
+
+
+def _ps_rows(text: str, array: bool) -> list[dict[str, Any]]:
+    """`ps --format` output as rows: one JSON array (podman) or one object per line (docker)."""
+    try:
+        rows = json.loads(text or "[]") if array else [json.loads(line) for line in text.splitlines()
+                                                      if line.strip()]
+    except ValueError:
+        return []
+    return [row for row in rows if isinstance(row, dict)]
+
+
+def _member(row: dict[str, Any]) -> dict[str, Any]:
+    """A container for `invoke status`: docker gives comma-joined strings, podman a list and a map."""
+    labels = row.get("Labels") or {}
+    if not isinstance(labels, dict):
+        labels = dict(part.split("=", 1) for part in str(labels).split(",") if "=" in part)
+    names = row.get("Names")
+    state = row.get("State")
+    return {"name": ", ".join(names) if isinstance(names, list) else names,
+            "service": labels.get("com.docker.compose.service"),
+            "state": state.lower() if isinstance(state, str) else state,
+            "status": row.get("Status"), "image": row.get("Image")}
 
 
 def _relative(path: Path, root: Path) -> str:

@@ -17,8 +17,11 @@ import yaml
 from vllmstack.config.profiles import Resolved
 from vllmstack.config.schema import Schema, load_schema
 from vllmstack.config.vllm_args import ServeCommand
+from vllmstack.core.errors import StackError
+from vllmstack.core.files import EnvValueError, env_line, write_text
 from vllmstack.core.paths import Project
 from vllmstack.image import patches
+from vllmstack.runtime import flavours
 from vllmstack.runtime.engine_env import FP8_CONFIG_DIR, HostIds, StackPaths, engine_environment
 
 ENGINE_SERVICE = "vllm"
@@ -52,9 +55,15 @@ def build_override(
     paths: StackPaths,
     package_dir: str | None,
     schema: Schema | None = None,
+    host: flavours.Host | None = None,
 ) -> tuple[dict[str, Any], list[str]]:
-    """The per-profile compose override as a dict, and notes on what was left out and why."""
+    """The per-profile compose override as a dict, and notes on what was left out and why.
+
+    `runtime` picks the runtime's differences (runtime/flavours.py); `host` states the host facts
+    they depend on (rootless, SELinux, rlimits), by default those of an ordinary rootful host."""
     schema = schema or load_schema()
+    flavour = flavours.FLAVOURS.get(runtime, flavours.COMPOSE_V2)
+    host_keys = flavours.host_keys(flavour, host or flavours.Host())
     notes: list[str] = []
     # The images' entrypoint is `vllm serve`; the command is everything after it.
     service: dict[str, Any] = {
@@ -75,7 +84,7 @@ def build_override(
         # SELinux hosts would otherwise need the device nodes relabelled.
         service["security_opt"] = ["label=disable"]
     elif vendor == "nvidia":
-        if runtime == "podman":
+        if flavour.nvidia == "cdi":
             service["devices"] = ["nvidia.com/gpu=all"]
         else:
             service["deploy"] = {"resources": {"reservations": {"devices": [
@@ -93,8 +102,15 @@ def build_override(
                      "runtime overlays and fp8 tuned configs are not mounted")
     if volumes:
         service["volumes"] = [_escape(v) for v in volumes]
-    return {"services": {ENGINE_SERVICE: service,
-                         DASHBOARD_SERVICE: dashboard_service(resolved, paths)}}, notes
+    dashboard = dashboard_service(resolved, paths)
+    for part in (service, dashboard):
+        for key, value in host_keys.items():
+            # security_opt may already say label=disable (AMD): one list, no duplicates.
+            if isinstance(value, list):
+                part[key] = sorted({*part.get(key, []), *value})
+            else:  # a copy each: one shared dict would be written as a YAML anchor and alias
+                part[key] = dict(value) if isinstance(value, dict) else value
+    return {"services": {ENGINE_SERVICE: service, DASHBOARD_SERVICE: dashboard}}, notes
 
 
 def dashboard_service(resolved: Resolved, paths: StackPaths) -> dict[str, Any]:
@@ -103,7 +119,7 @@ def dashboard_service(resolved: Resolved, paths: StackPaths) -> dict[str, Any]:
     service: dict[str, Any] = {
         "command": ["python", "-m", "vllmstack.dashboard", "--host", "0.0.0.0", "--port", "3000",
                     # The app sees 0.0.0.0; what users reach is the host address it is published on.
-                    "--exposure", bind,
+                    "--exposure", _escape(bind),
                     "--engine-url", f"http://{ENGINE_SERVICE}:{resolved.get_int('VLLM_PORT')}",
                     "--history-dir", "/app/benchmarks"],
         "environment": {
@@ -112,7 +128,7 @@ def dashboard_service(resolved: Resolved, paths: StackPaths) -> dict[str, Any]:
         },
     }
     if paths.models_dir is not None:
-        service["volumes"] = [f"{paths.models_dir}:{paths.models_dir}:ro"]
+        service["volumes"] = [_escape(f"{paths.models_dir}:{paths.models_dir}:ro")]
     return service
 
 
@@ -143,6 +159,10 @@ def interpolation_env(resolved: Resolved, ids: HostIds, paths: StackPaths) -> di
     }
 
 
+class RenderError(StackError):
+    """A value cannot be written into a generated file exactly (`invoke check` names its source)."""
+
+
 def write_rendered(
     project: Project,
     resolved: Resolved,
@@ -151,27 +171,41 @@ def write_rendered(
     env: dict[str, str],
     notes: list[str],
 ) -> Rendered:
-    """Write generated/ so a run can be read and reproduced by hand."""
+    """Write generated/ so a run can be read and reproduced by hand.
+
+    Every file is created mode 0600: the env files, the override (engine environment) and the
+    argv can hold tokens. compose.env is refused as a whole when one value cannot be carried
+    exactly (core.files.env_line), before anything is written.
+    """
+    try:
+        env_text = "".join(env_line(k, v) + "\n" for k, v in env.items())
+    except EnvValueError as exc:
+        raise RenderError(
+            f"generated/compose.env cannot carry {exc}, so Compose would read something else",
+            "run `invoke check`: it names the setting and the file:line that set it") from None
     folder = project.generated
-    folder.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     header = (f"# Rendered by `invoke up` for profile {resolved.profile} on {resolved.platform}.\n"
               "# Do not edit: change env/ or .env and run invoke again.\n")
     override_path = folder / "compose.override.yaml"
-    override_path.write_text(header + yaml.safe_dump(override, sort_keys=False, width=1000))
+    write_text(override_path, header + yaml.safe_dump(override, sort_keys=False, width=1000))
     env_path = folder / "compose.env"
-    env_path.write_text(header + "".join(f"{k}={_dotenv_quote(v)}\n" for k, v in env.items()))
+    write_text(env_path, header + env_text)
     argv_path = folder / "vllm-argv.txt"
-    argv_path.write_text(command.shell() + "\n")
-    resolved_path = folder / "resolved.env"
-    resolved_path.write_text(header + "".join(
-        f"# {s.source}\n{k}={_dotenv_quote(s.value)}\n" for k, s in sorted(resolved.values.items())))
+    write_text(argv_path, command.shell() + "\n")
+    write_text(folder / "resolved.env", header + "".join(
+        _resolved_entry(k, s.value, s.source) for k, s in sorted(resolved.values.items())))
     return Rendered(folder, override_path, env_path, argv_path, notes)
 
 
-def _dotenv_quote(value: str) -> str:
-    if value and all(c.isalnum() or c in "._-/:,+@" for c in value):
-        return value
-    return "'" + value.replace("'", "'\\''") + "'"
+def _resolved_entry(key: str, value: str, source: str) -> str:
+    """One setting for resolved.env (a record nothing parses back); a value no env file can
+    carry exactly is written as a JSON string in a comment, so the file stays data."""
+    where = json.dumps(source)[1:-1]  # a comment line must stay one line
+    try:
+        return f"# {where}\n{env_line(key, value)}\n"
+    except EnvValueError as exc:
+        return f"# {where}\n# {json.dumps(str(exc))[1:-1]}; as JSON: {json.dumps(value)}\n"
 
 
 def compose_files(project: Project) -> list[Path]:

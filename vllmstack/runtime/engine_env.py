@@ -17,6 +17,7 @@ from pathlib import Path
 from vllmstack.config.profiles import Resolved
 from vllmstack.config.schema import Schema, is_engine_env_name
 from vllmstack.core.errors import StackError
+from vllmstack.core.files import ENV_KEY as ENV_NAME
 from vllmstack.core.paths import home_dir
 
 FP8_CONFIG_DIR = "model_executor/layers/quantization/utils/configs"
@@ -79,30 +80,58 @@ def stack_paths(resolved: Resolved, environ: Mapping[str, str]) -> StackPaths:
 def ensure_cache_dirs(paths: StackPaths, ids: HostIds, *, dry_run: bool) -> list[str]:
     """Create the mounted cache folders user-owned before compose does (it would make them root's).
 
-    Returns what was done, one line each. Raises CacheDirError with the exact fix when a folder
-    belongs to someone else and we cannot change that.
+    Returns every mkdir and chown done (or, with dry_run, that would be done), one line each.
+    Only folders created here are chowned (as root): a folder that exists is the operator's,
+    and `up` never changes its owner (HF_CACHE_DIR=/ must not hand the host to USER_UID). An
+    existing folder the engine's user cannot write raises CacheDirError with the exact fix.
     """
     done: list[str] = []
+    planned: set[Path] = set()  # created by this call (or, in a dry run, would be)
     folders = [paths.hf_cache, paths.engine_cache,
                *(paths.engine_cache / sub for sub in ENGINE_CACHE_SUBDIRS)]
     for folder in folders:
-        if not folder.exists():
-            done.append(f"mkdir -p {shlex.quote(str(folder))}")
-            if not dry_run:
-                folder.mkdir(parents=True, exist_ok=True)
-                if os.geteuid() == 0:
-                    os.chown(folder, ids.uid, ids.gid)
+        missing = [p for p in (*reversed(folder.parents), folder)
+                   if p not in planned and not p.exists()]
+        for path in missing:  # one level at a time, so each created folder is known
+            done.append(f"mkdir -p {shlex.quote(str(path))}")
+            if os.geteuid() == 0:
+                done.append(f"chown {ids.uid}:{ids.gid} {shlex.quote(str(path))}")
+            planned.add(path)
+            if dry_run:
+                continue
+            try:
+                path.mkdir()
+            except FileExistsError:
+                continue  # made meanwhile by someone else: theirs, not ours to chown
+            except OSError as exc:
+                raise CacheDirError(f"cannot create {path}: {exc.strerror}",
+                                    f"create it yourself (mkdir -p {shlex.quote(str(folder))}) "
+                                    "or point HOST_CACHE_DIR/HF_CACHE_DIR elsewhere") from exc
+            if os.geteuid() == 0:
+                os.chown(path, ids.uid, ids.gid)
+        if folder in planned:
             continue
-        owner = folder.stat().st_uid
-        if owner != ids.uid:
-            if os.geteuid() == 0 and not dry_run:
-                os.chown(folder, ids.uid, ids.gid)
-                done.append(f"chown {ids.uid}:{ids.gid} {folder}")
-            elif os.geteuid() != 0:
-                raise CacheDirError(
-                    f"{folder} belongs to uid {owner}, but the engine runs as uid {ids.uid} and "
-                    f"could not write its caches. Fix once: sudo chown -R {ids.uid}:{ids.gid} {folder}")
+        stat = folder.stat()
+        if not _writable_by(stat, ids):
+            raise CacheDirError(
+                f"{folder} belongs to uid {stat.st_uid}, and the engine runs as uid {ids.uid}, "
+                "which cannot write its caches there (the stack never changes the owner of a "
+                "folder it did not create). Fix once: sudo chown -R "
+                f"{ids.uid}:{ids.gid} {shlex.quote(str(folder))}",
+                "or point HOST_CACHE_DIR/HF_CACHE_DIR at a folder of that user, or set "
+                "USER_UID/USER_GID in .env to the user who owns it")
     return done
+
+
+def _writable_by(stat: os.stat_result, ids: HostIds) -> bool:
+    """Whether the engine's user can create files in a folder with this stat (mode bits only)."""
+    if ids.uid == 0:
+        return True
+    if stat.st_uid == ids.uid:
+        return bool(stat.st_mode & 0o200)
+    if stat.st_gid == ids.gid:
+        return bool(stat.st_mode & 0o020)
+    return bool(stat.st_mode & 0o002)
 
 
 def clear_engine_caches(paths: StackPaths, *, dry_run: bool) -> list[str]:
@@ -134,8 +163,23 @@ def engine_environment(resolved: Resolved, schema: Schema) -> dict[str, str]:
         # `invoke check` reports the HSA case as an error).
         if passes and setting.value != "":
             env[key] = setting.value
-    for word in shlex.split(resolved.get_str("ENGINE_ENV")):
-        key, sep, value = word.partition("=")
-        if sep and key:
-            env[key] = value
+    env.update(engine_env_words(resolved.get_str("ENGINE_ENV"))[0])
     return env
+
+
+def engine_env_words(text: str) -> tuple[dict[str, str], list[str]]:
+    """ENGINE_ENV's KEY=VALUE words, and the words that are not (no '=', or a KEY that is not a
+    variable name: `invoke check` reports those, and they never reach the engine)."""
+    good: dict[str, str] = {}
+    bad: list[str] = []
+    try:
+        words = shlex.split(text)
+    except ValueError:
+        return good, bad  # not shell words: validation reports ENGINE_ENV itself
+    for word in words:
+        key, sep, value = word.partition("=")
+        if sep and ENV_NAME.fullmatch(key):
+            good[key] = value
+        else:
+            bad.append(word)
+    return good, bad

@@ -1,17 +1,28 @@
-"""Which runtime runs the engine: --runtime, else RUNTIME, else what the last `up` used, else detect."""
+"""Which runtime runs the engine: --runtime, else RUNTIME, else what the last `up` used, else detect.
+
+Also which Compose project a checkout's containers belong to (`compose_project_name`).
+"""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any, TextIO
 
 from vllmstack.config.profiles import Resolved
+from vllmstack.core.checkout import DERIVED_FROM_CHECKOUT, default_compose_project
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner
 from vllmstack.runtime import compose
 from vllmstack.runtime.base import EngineRuntime
 from vllmstack.runtime.compose_files import compose_files
 from vllmstack.runtime.native.engine import NativeEngine
+
+# The default before it was derived per checkout: state files written by an `up` of that time
+# record no project name, and their containers run under this one.
+LEGACY_COMPOSE_PROJECT = "vllmstack"
+# What Compose v2 accepts (v1 and Podman accept at least as much).
+COMPOSE_PROJECT_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
 
 
 def requested_runtime(resolved: Resolved, runtime: str | None, previous: Mapping[str, Any]) -> str:
@@ -23,13 +34,42 @@ def requested_runtime(resolved: Resolved, runtime: str | None, previous: Mapping
     return requested
 
 
+def compose_project_name(project: Project, resolved: Resolved, previous: Mapping[str, Any]) -> str:
+    """The Compose project of this checkout's stack.
+
+    While generated/state.json says a compose stack was started here, the name it was started
+    under: `down` and `status` must find those containers even after COMPOSE_PROJECT or its
+    default changed. A state file from before the name was recorded means the name of that time:
+    COMPOSE_PROJECT as set, else `vllmstack`. Otherwise COMPOSE_PROJECT, whose default is derived
+    from the checkout's path (the resolver fills it in), so two clones never share containers.
+    """
+    configured = resolved.get_str("COMPOSE_PROJECT")
+    if previous.get("runtime") == "compose":
+        recorded = previous.get("compose_project")
+        if recorded:
+            return str(recorded)
+        if "compose_project" not in previous:
+            source = resolved.source("COMPOSE_PROJECT") or "default"
+            explicit = source != "default" and not source.startswith(DERIVED_FROM_CHECKOUT)
+            return configured if explicit and configured else LEGACY_COMPOSE_PROJECT
+    name = configured or default_compose_project(project.root)
+    if not COMPOSE_PROJECT_NAME.match(name):
+        raise compose.ComposeError(
+            f"COMPOSE_PROJECT={name!r} (set at {resolved.source('COMPOSE_PROJECT') or 'default'}) "
+            "is not a Compose project name",
+            "use lowercase letters, digits, '-' and '_', starting with a letter or digit; or "
+            "remove the line to use this checkout's own default")
+    return name
+
+
 def open_runtime(project: Project, resolved: Resolved, environ: Mapping[str, str], runner: Runner,
-                 requested: str, out: TextIO) -> EngineRuntime:
+                 requested: str, out: TextIO, *, compose_project: str | None = None) -> EngineRuntime:
     if requested == "native":
         engine = NativeEngine.for_stack(project, resolved, environ, runner)
         engine.out = out
         return engine
     cli = compose.detect_compose(runner, resolved.get_str("DOCKER"), requested)
-    return compose.ComposeEngine(cli, runner, resolved.get_str("COMPOSE_PROJECT"),
-                                 compose_files(project), project.generated / "compose.env",
+    name = compose_project or compose_project_name(project, resolved, {})
+    return compose.ComposeEngine(cli, runner, name, compose_files(project),
+                                 project.generated / "compose.env",
                                  project=project, resolved=resolved, environ=environ, out=out)

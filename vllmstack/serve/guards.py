@@ -1,4 +1,6 @@
-"""Guards before `up` and the memory check after `down`: devices, other engines, free GPU memory."""
+"""Guards before `up` and the memory check after `down`: devices, the host's fast checks (device
+access, GPUs vs the pins, a masking amdgpu-dkms, gfx1151's CWSR: checks/host), other engines,
+free GPU memory."""
 
 from __future__ import annotations
 
@@ -7,9 +9,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TextIO
 
+from vllmstack.checks.host import FAIL, HostView, fast_checks
 from vllmstack.config.profiles import Resolved
 from vllmstack.observe.health import identify_server, port_answers
-from vllmstack.runtime.gpu import GIB, GpuMemory, GpuProbe, total_used
+from vllmstack.runtime.gpu import GIB, AmdSysfsProbe, GpuMemory, GpuProbe, NvidiaSmiProbe, total_used
 from vllmstack.serve.stack import LifecycleError
 
 # After `down`, the GPUs count as released when used memory is back within this of the baseline.
@@ -37,8 +40,12 @@ def check_guards(
     own_engine_running: bool,
     port_probe: Callable[[str, int], bool] = port_answers,
     identify: Callable[[str], str] = identify_server,
+    host: HostView | None = None,
+    runtime: str | None = None,
 ) -> list[Guard]:
-    """Everything that must hold before starting: devices, no other engine, enough free memory."""
+    """Everything that must hold before starting: devices, the host's fast checks, no other
+    engine, enough free memory. `host` defaults to what the probe reads (its sysfs root, or its
+    runner for nvidia-smi); `runtime` to RUNTIME unless that is auto."""
     guards: list[Guard] = []
     vendor = resolved.get_str("GPU_VENDOR")
     missing = probe.missing_devices()
@@ -52,6 +59,7 @@ def check_guards(
                             f"{'an AMD' if vendor == 'amd' else 'an NVIDIA'} GPU and this host does "
                             "not expose one", fix, overridable=False))
         return guards
+    guards += host_guards(resolved, probe, host=host, runtime=runtime)
     ports = [int(p) for p in resolved.get_list("OTHER_ENGINE_PORTS") if p.isdigit()]
     own_port = resolved.get_int("VLLM_PORT")
     if not own_engine_running:
@@ -79,6 +87,24 @@ def check_guards(
                     "something else)",
                     "stop the other GPU user, or lower VLLM_GPU_MEM_UTIL (--set VLLM_GPU_MEM_UTIL=...)"))
     return guards
+
+
+def host_guards(resolved: Resolved, probe: GpuProbe, *, host: HostView | None = None,
+                runtime: str | None = None) -> list[Guard]:
+    """The FAILs of `invoke doctor`'s fast subset as guards (`host-<check id>`), overridable:
+    each reads the host from outside, and the operator may know better (--force)."""
+    view = host
+    if view is None and isinstance(probe, AmdSysfsProbe):
+        view = HostView(root=probe.root)  # sysfs, /dev and /etc only: no program runs
+    elif view is None and isinstance(probe, NvidiaSmiProbe):
+        view = HostView(runner=probe.runner)  # one nvidia-smi query
+    if view is None:
+        return []  # no GPU platform, or a probe standing in for the host
+    configured = resolved.get_str("RUNTIME")
+    runtime = runtime or (configured if configured != "auto" else None)
+    return [Guard(f"host-{check.id}", check.detail,
+                  (check.fix or "see `invoke doctor`") + "; `invoke doctor` checks the whole host")
+            for check in fast_checks(resolved, view, runtime) if check.status == FAIL]
 
 
 def print_guards(guards: list[Guard], force: bool, out: TextIO) -> None:

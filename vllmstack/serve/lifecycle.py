@@ -18,10 +18,12 @@ import requests
 from vllmstack.checks.registry import run_checks
 from vllmstack.config.profiles import Resolved
 from vllmstack.config.vllm_args import ServeCommand
+from vllmstack.core.errors import StackError
 from vllmstack.core.findings import Finding
 from vllmstack.core.paths import Project
+from vllmstack.core.runner import Runner
 from vllmstack.observe import metrics
-from vllmstack.observe.health import health_status
+from vllmstack.observe.health import health_status, identify_server
 from vllmstack.runtime import engine_env
 from vllmstack.runtime.gpu import GIB, total_used
 from vllmstack.serve.guards import Guard, check_guards, print_guards, wait_gpu_release
@@ -44,9 +46,11 @@ class UpResult:
 
 
 def preflight(project: Project, resolved: Resolved, environ: Mapping[str, str],
-              runtime: str | None = None) -> tuple[ServeCommand, list[Finding]]:
-    """`invoke check`'s rules; errors stop `up` before anything starts."""
-    findings, ctx = run_checks(project, resolved, environ, runtime=runtime)
+              runtime: str | None = None, runner: Runner | None = None,
+              ) -> tuple[ServeCommand, list[Finding]]:
+    """`invoke check`'s rules (with a runner: on the host's detected GPUs); errors stop `up`
+    before anything starts."""
+    findings, ctx = run_checks(project, resolved, environ, runtime=runtime, runner=runner)
     errors = [f for f in findings if f.severity == "error"]
     if errors or ctx.command is None:
         raise LifecycleError(
@@ -58,10 +62,19 @@ def preflight(project: Project, resolved: Resolved, environ: Mapping[str, str],
 
 def up(stack: Stack, *, timeout: float | None = None, force: bool = False, dashboard: bool = True,
        dry_run: bool = False) -> UpResult:
-    """Guards, render, start, wait for /health (diagnosing a death at once), warm up, dashboard."""
+    """Guards, render, start, wait for /health (diagnosing a death at once), warm up, dashboard.
+
+    Under the stack lock: a second `up` (or a `down`) waits for this one or refuses, naming it."""
+    with stack.lock("up", dry_run=dry_run):
+        return _up(stack, timeout=timeout, force=force, dashboard=dashboard, dry_run=dry_run)
+
+
+def _up(stack: Stack, *, timeout: float | None, force: bool, dashboard: bool,
+        dry_run: bool) -> UpResult:
     out = stack.out
     resolved = stack.resolved
-    command, findings = preflight(stack.project, resolved, stack.environ, stack.engine.name)
+    command, findings = preflight(stack.project, resolved, stack.environ, stack.engine.name,
+                                  runner=stack.runner)
     for finding in findings:
         if finding.severity == "warning":
             print(finding.render(), file=out)
@@ -69,8 +82,12 @@ def up(stack: Stack, *, timeout: float | None = None, force: bool = False, dashb
     previous = read_state(stack.project) or {}
     if current.running and previous.get("argv") == command.argv and health_status(stack.url) == 200:
         print(f"already up and healthy: {stack.served_name} at {stack.url} (same command); "
-              "nothing to do", file=out)
-        return UpResult(stack.url, stack.served_name, 0.0, None, ["already running"])
+              "nothing to do for the engine", file=out)
+        notes = ["already running"]
+        if dashboard and not dry_run:
+            # Idempotent for real: a dashboard that failed to start last time starts now.
+            start_dashboard(stack, notes)
+        return UpResult(stack.url, stack.served_name, 0.0, None, notes)
     guards = check_guards(resolved, stack.probe, own_engine_running=current.running)
     if current.running:
         guards.insert(0, Guard(
@@ -89,6 +106,7 @@ def up(stack: Stack, *, timeout: float | None = None, force: bool = False, dashb
     stack.engine.start()  # a runtime's StackError carries its own cause and fix
     write_state(stack.project, {
         "runtime": stack.engine.name, "flavour": stack.engine.flavour,
+        "compose_project": stack.compose_project,
         "profile": resolved.profile, "platform": resolved.platform,
         "argv": command.argv, "url": stack.url, "served_name": stack.served_name,
         "started": time.time(), "gpu_used_before": baseline,
@@ -97,7 +115,9 @@ def up(stack: Stack, *, timeout: float | None = None, force: bool = False, dashb
     print(f"starting {stack.served_name} ({resolved.profile} on {resolved.platform}, "
           f"{stack.engine.name}); waiting up to {limit:.0f} s for {stack.url}/health", file=out)
     try:
-        boot = wait_until_healthy(stack.engine, stack.url, limit, Progress(out, out.isatty()))
+        boot = wait_until_healthy(stack.engine, stack.url, limit, Progress(out, out.isatty()),
+                                  vendor=resolved.get_str("GPU_VENDOR"),
+                                  secrets=resolved.secrets())
     except LifecycleError:
         # Keep the container (its log is the evidence) but stop a crash loop from burning GPU time.
         stack.engine.stop()
@@ -106,8 +126,25 @@ def up(stack: Stack, *, timeout: float | None = None, force: bool = False, dashb
     warm = warm_up(stack.url, stack.served_name)
     print(f"warm-up answered in {warm:.2f} s", file=out)
     if dashboard:
-        stack.engine.dashboard_up()
+        start_dashboard(stack, notes)
     return UpResult(stack.url, stack.served_name, boot, warm, notes)
+
+
+def start_dashboard(stack: Stack, notes: list[str]) -> bool:
+    """Start the optional dashboard once the engine is healthy; a failure is a warning, never a
+    failed `up` (the engine runs and serves either way)."""
+    try:
+        stack.engine.dashboard_up()
+    except StackError as exc:
+        print(f"warning: the engine is up, but the dashboard did not start: {exc.cause}",
+              file=stack.out)
+        if exc.fix:
+            print(f"         fix: {exc.fix}", file=stack.out)
+        print("         then `invoke dashboard-up` (or `invoke up` again) starts it; `invoke dashboard` "
+              "serves it in the foreground now", file=stack.out)
+        notes.append(f"dashboard not started: {exc.cause}")
+        return False
+    return True
 
 
 def dashboard_up(stack: Stack) -> None:
@@ -120,10 +157,22 @@ def dashboard_down(stack: Stack) -> None:
 
 def down(stack: Stack, *, timeout: float = 120.0, dry_run: bool = False) -> bool:
     """Stop everything the stack started, then wait for GPU memory to be released."""
+    with stack.lock("down", dry_run=dry_run):
+        return _down(stack, timeout=timeout, dry_run=dry_run)
+
+
+def _down(stack: Stack, *, timeout: float, dry_run: bool) -> bool:
     previous = read_state(stack.project) or {}
     stack.engine.remove()
     if dry_run:
         return True
+    if health_status(stack.url) is not None:
+        # "stopped" while the engine still answers would be a lie; the state file stays.
+        raise LifecycleError(
+            f"{stack.url} still answers after the {stack.engine.name} runtime stopped what it "
+            f"knows of: {identify_server(stack.url)}",
+            f"find the process listening on port {stack.port} (ss -ltnp 'sport = :{stack.port}') "
+            "and end it; if it is this stack's engine, report how it escaped `down`")
     baseline = previous.get("gpu_used_before")
     released, used = wait_gpu_release(stack.probe, baseline if isinstance(baseline, int) else None,
                                       timeout)

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TextIO
 
 from vllmstack.config.profiles import Resolved
+from vllmstack.core.checkout import stack_lock
 from vllmstack.core.errors import StackError
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner
 from vllmstack.runtime.base import EngineRuntime
 from vllmstack.runtime.gpu import GpuProbe, probe_for
-from vllmstack.runtime.select import open_runtime, requested_runtime
+from vllmstack.runtime.select import compose_project_name, open_runtime, requested_runtime
 from vllmstack.serve.state import read_state
 
 
@@ -36,10 +39,25 @@ class Stack:
     engine: EngineRuntime
     probe: GpuProbe
     out: TextIO
+    # The Compose project name this checkout's stack runs under (None: not a compose runtime);
+    # `up` records it in generated/state.json so that `down` finds the same containers.
+    compose_project: str | None = None
 
     @property
     def url(self) -> str:
         return engine_url(self.resolved)
+
+    @property
+    def port(self) -> int:
+        return self.resolved.get_int("VLLM_PORT")
+
+    def lock(self, command: str, *, dry_run: bool = False) -> AbstractContextManager[None]:
+        """The stack lock for `up`/`down` (vllmstack.core.checkout); a dry run changes nothing
+        and takes none."""
+        if dry_run:
+            return contextlib.nullcontext()
+        return stack_lock(self.project.generated, command,
+                          say=lambda line: print(line, file=self.out))
 
     @property
     def served_name(self) -> str:
@@ -58,8 +76,10 @@ def open_stack(
 ) -> Stack:
     """Pick the runtime (--runtime, else RUNTIME, else what a previous `up` used, else detect)."""
     out = out or sys.stdout
-    requested = requested_runtime(resolved, runtime, read_state(project) or {})
+    previous = read_state(project) or {}  # a corrupt state file is a StateError naming it
+    requested = requested_runtime(resolved, runtime, previous)
     probe = probe or probe_for(resolved.get_str("GPU_VENDOR"), runner,
                                unified_memory=resolved.get_bool("UNIFIED_MEMORY"))
-    engine = open_runtime(project, resolved, environ, runner, requested, out)
-    return Stack(project, resolved, environ, runner, engine, probe, out)
+    name = None if requested == "native" else compose_project_name(project, resolved, previous)
+    engine = open_runtime(project, resolved, environ, runner, requested, out, compose_project=name)
+    return Stack(project, resolved, environ, runner, engine, probe, out, name)

@@ -9,6 +9,7 @@ from typing import TextIO
 
 import requests
 
+from vllmstack.core.runner import mask_text
 from vllmstack.observe.health import health_status
 from vllmstack.runtime.base import EngineRuntime, EngineState
 from vllmstack.serve import diagnosis
@@ -16,16 +17,26 @@ from vllmstack.serve.stack import LifecycleError
 
 POLL_S = 0.5
 
+# The newest line holding one of these names the boot phase (texts from real vLLM 0.27 boots:
+# shared/reference/vllm-captures/boot.log, shared/gpu/runs-*). Specific phrases only: a bare
+# "profil" or "torch.compile" also matches tracebacks and "disabling torch.compile".
 PHASES: tuple[tuple[str, str], ...] = (
     ("Application startup complete", "serving"),
     ("Starting vLLM server", "starting API server"),
-    ("Capturing CUDA graph", "capturing graphs"),
+    ("Supported tasks:", "starting API server"),
     ("Graph capturing finished", "starting API server"),
-    ("torch.compile", "compiling"),
-    ("Compiling", "compiling"),
-    ("KV cache", "allocating KV cache"),
-    ("profil", "profiling memory"),
-    ("Loading weights took", "profiling memory"),
+    ("Capturing CUDA graph", "capturing graphs"),
+    ("Maximum concurrency for", "allocating KV cache"),
+    ("GPU KV cache size", "allocating KV cache"),
+    ("Available KV cache memory", "allocating KV cache"),
+    ("Initial profiling/warmup run", "profiling memory"),
+    ("torch.compile took", "profiling memory"),
+    ("Compiling a graph", "compiling"),
+    ("Cache the graph of compile range", "compiling"),
+    ("Dynamo bytecode transform", "compiling"),
+    ("for vLLM's torch.compile", "compiling"),
+    ("Loading weights took", "loading weights"),
+    ("Model loading took", "loading weights"),
     ("Loading safetensors", "loading weights"),
     ("Loading model", "loading weights"),
     ("Starting to load model", "loading weights"),
@@ -34,35 +45,87 @@ PHASES: tuple[tuple[str, str], ...] = (
 )
 
 
-def phase_of(lines: Sequence[str]) -> str:
-    for line in reversed(lines[-60:]):
+def phase_of(lines: Sequence[str], default: str = "starting") -> str:
+    """The boot phase the newest telling line names; `default` (the phase so far) when none does,
+    e.g. while a long traceback fills the tail."""
+    for line in reversed(lines):
         for needle, phase in PHASES:
             if needle in line:
                 return phase
-    return "starting"
+    return default
+
+
+# Lines that say nothing on their own: traceback carets, blank lines.
+FILLER = frozenset(" ^~")
+# Without a new log line, a plain (non-terminal) output repeats the status this often, as a
+# heartbeat that says how long nothing has happened; a new line prints at most this often.
+HEARTBEAT_S = 60.0
+MIN_GAP_S = 15.0
+TTY_WIDTH = 150
+PLAIN_WIDTH = 200
+
+
+def newest_line(lines: Sequence[str]) -> str:
+    """The newest log line that says something, without vLLM's process prefix and log header."""
+    for line in reversed(lines):
+        parsed = diagnosis.split_line(line)
+        if parsed.text and not set(parsed.text) <= FILLER:
+            short = parsed.process.removeprefix("Worker_") if parsed.process else None
+            return f"{short}: {parsed.text}" if short and short != "APIServer" else parsed.text
+    return ""
+
+
+def cut_at_word(text: str, width: int) -> str:
+    """`text` in at most `width` characters, cut at a word boundary with an ellipsis."""
+    if len(text) <= width:
+        return text
+    head = text[: width - 1]
+    space = head.rfind(" ")
+    if space > width // 2:
+        head = head[:space]
+    return head.rstrip(" ,;:") + "…"
 
 
 @dataclass
 class Progress:
-    """One live line (rewritten in place on a terminal, a line per change elsewhere)."""
+    """The boot's live status: phase, time in that phase, and the newest distinct log line.
+
+    On a terminal it is one line rewritten in place. Elsewhere (CI, a log file) a line is written
+    when the phase changes, when a new log line appeared (at most every MIN_GAP_S), or as a
+    heartbeat after HEARTBEAT_S without one: never the same line twice.
+    """
 
     out: TextIO
     tty: bool
-    last_text: str = ""
-    last_print: float = 0.0
+    phase: str = ""
+    phase_since: float = 0.0
+    shown_line: str = ""
+    last_print: float = -HEARTBEAT_S  # elapsed seconds at the last plain line
 
-    def show(self, elapsed: float, phase: str, last_line: str) -> None:
-        line = last_line.strip()
-        text = f"[{elapsed:6.1f}s] {phase:<20} {line[-90:]}"
+    def show(self, elapsed: float, phase: str, lines: Sequence[str]) -> None:
+        if phase != self.phase:
+            self.phase, self.phase_since = phase, elapsed
+            changed_phase = True
+        else:
+            changed_phase = False
+        line = newest_line(lines)
+        head = f"[{elapsed:6.1f}s] {phase} ({elapsed - self.phase_since:.0f} s)"
         if self.tty:
-            self.out.write("\r" + text[:150].ljust(150))
+            text = head + (f"  {line}" if line else "")
+            self.out.write("\r" + cut_at_word(text, TTY_WIDTH).ljust(TTY_WIDTH))
             self.out.flush()
             return
-        now = time.monotonic()
-        if phase != self.last_text or now - self.last_print > 15:
-            self.out.write(text[:200] + "\n")
-            self.out.flush()
-            self.last_text, self.last_print = phase, now
+        now = elapsed
+        new_line = line != self.shown_line
+        if changed_phase or (new_line and now - self.last_print >= MIN_GAP_S):
+            text = head + (f"  {line}" if line and new_line else "")
+        elif now - self.last_print >= HEARTBEAT_S:
+            text = head + f"  (no new log line for {now - self.last_print:.0f} s)"
+        else:
+            return
+        self.out.write(cut_at_word(text, PLAIN_WIDTH) + "\n")
+        self.out.flush()
+        self.shown_line, self.last_print = line, now
 
     def done(self) -> None:
         if self.tty:
@@ -79,8 +142,13 @@ def wait_until_healthy(
     health: Callable[[str], int | None] = health_status,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
+    vendor: str | None = None,
+    secrets: Sequence[str] = (),
 ) -> float:
     """Return seconds until /health said 200. Raise LifecycleError with a diagnosis otherwise.
+
+    `vendor` (GPU_VENDOR) picks the diagnosis' vendor-specific fixes. Every log line shown is
+    masked with `secrets` (vLLM logs its non-default args, an --api-key among them).
 
     Never waits blindly: every poll looks at the engine's state first, so an exit or a restart
     is caught within one poll interval, not at the timeout.
@@ -93,20 +161,21 @@ def wait_until_healthy(
         while True:
             elapsed = clock() - start
             state = engine.state()
-            lines = engine.log_lines(200)
+            lines = _masked(engine.log_lines(200), secrets)
             if not state.running or state.restart_count > restarts or state.status == "restarting":
-                raise _engine_died(engine, state, elapsed)
+                raise _engine_died(engine, state, elapsed, vendor=vendor, secrets=secrets)
             status = health(url)
             if status == 200:
                 return elapsed
             if status == 503:
-                raise _engine_died(engine, state, elapsed, health_503=True)
-            progress.show(elapsed, phase_of(lines), lines[-1] if lines else "")
+                raise _engine_died(engine, state, elapsed, health_503=True, vendor=vendor,
+                                   secrets=secrets)
+            progress.show(elapsed, phase_of(lines, progress.phase or "starting"), lines)
             if elapsed > timeout:
-                tail = engine.log_lines(30)
+                tail = _masked(engine.log_lines(30), secrets)
                 raise LifecycleError(
                     f"the engine did not become healthy within {timeout:.0f} s "
-                    f"(last phase: {phase_of(lines)})",
+                    f"(last phase: {progress.phase or phase_of(lines)})",
                     "raise --timeout (first boots compile kernels for minutes), or read the log "
                     "tail above for a hang",
                     details=["--- last log lines ---", *tail])
@@ -115,10 +184,20 @@ def wait_until_healthy(
         progress.done()
 
 
+# How much of a dead engine's log the diagnosis reads (a TP boot failure can log thousands of
+# traceback lines: 2,300 for a real 2-GPU hybrid with a missing flashinfer).
+DIAGNOSIS_LINES = 5000
+
+
+def _masked(lines: list[str], secrets: Sequence[str]) -> list[str]:
+    return [mask_text(line, secrets) for line in lines] if secrets else lines
+
+
 def _engine_died(engine: EngineRuntime, state: EngineState, elapsed: float,
-                 health_503: bool = False) -> LifecycleError:
-    lines = engine.log_lines(2000)
-    found = diagnosis.diagnose(lines, state.exit_code)
+                 health_503: bool = False, vendor: str | None = None,
+                 secrets: Sequence[str] = ()) -> LifecycleError:
+    lines = _masked(engine.log_lines(DIAGNOSIS_LINES), secrets)
+    found = diagnosis.diagnose(lines, state.exit_code, vendor)
     if health_503:
         what = "the engine died after its API server came up (/health answered 503)"
     elif state.status == "restarting" or state.restart_count:
@@ -126,8 +205,11 @@ def _engine_died(engine: EngineRuntime, state: EngineState, elapsed: float,
     else:
         what = f"the engine exited with code {state.exit_code}"
     details = ["--- last log lines ---", *lines[-15:], "--- diagnosis ---"]
-    if found.line:
-        details.append(f"log line {found.line_number}: {found.line.strip()}")
+    if found.line and found.line_number:
+        # Numbered from the log's start only when the whole log was read.
+        where = (f"log line {found.line_number}" if len(lines) < DIAGNOSIS_LINES else
+                 f"{len(lines) - found.line_number + 1} lines from the end of the log")
+        details.append(f"{where}: {found.line.strip()}")
     return LifecycleError(f"{what} after {elapsed:.1f} s: {found.cause}", found.fix, details)
 
 

@@ -12,6 +12,7 @@ from vllmstack.config.profiles import Resolved
 from vllmstack.config.schema import load_schema
 from vllmstack.config.vllm_args import ArgvError, build_serve_argv
 from vllmstack.core.paths import Project
+from vllmstack.core.runner import format_command
 from vllmstack.image import patches
 from vllmstack.runtime.engine_env import FP8_CONFIG_DIR, engine_environment, stack_paths
 from vllmstack.runtime.native import install
@@ -28,7 +29,8 @@ class NativeCommand:
     notes: list[str] = field(default_factory=list)
 
     def shell(self) -> str:
-        return shlex.join(["env", *(f"{k}={v}" for k, v in sorted(self.env.items())), *self.argv])
+        """The command as a shell line, tokens masked (it is printed by --dry-run)."""
+        return format_command(["env", *(f"{k}={v}" for k, v in sorted(self.env.items())), *self.argv])
 
 
 def native_serve_command(project: Project, resolved: Resolved,

@@ -9,7 +9,8 @@ as soon as the engine is launched) starts the engine, records it and waits for i
 Files under generated/native/:
   launch.json       what to run: argv, the environment added to the caller's, the log path
   engine.json       the record: pid (= process group = session), its start time (field 22 of
-                    /proc/PID/stat), the boot id, a random marker, the keeper's pid
+                    /proc/PID/stat), the boot id, the marker (this checkout's id and a random
+                    part), the keeper's pid
   engine.exit.json  the exit code, written by the keeper when the engine ends
   engine.log        everything the engine printed (engine.log.1: the run before)
 
@@ -19,6 +20,9 @@ environment carries the record's marker (VLLMSTACK_ENGINE_ID). The marker is wha
 EngineCore left behind after the API server died (a known vLLM failure that keeps GPU memory
 held): its group leader is gone, but it inherited the environment. A recorded pid whose start
 time differs from the record belongs to another program now: it is reported, never signalled.
+Because the marker starts with the checkout's id, an engine no record names (engine.json
+damaged, or overwritten) is found too: `status` shows it, `up` will not start a second one
+beside it, and `down` ends it instead of printing "stopped" over a live engine.
 """
 
 
@@ -26,7 +30,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
 import sys
 import time
@@ -42,8 +45,24 @@ from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner
 from vllmstack.runtime.base import MISSING, EngineState
 from vllmstack.runtime.native.command import NativeCommand, native_serve_command
-from vllmstack.runtime.native.procs import DEFAULT_GRACE_S, EngineGroup, NativeError, ProcTable, human_age
-from vllmstack.runtime.native.records import MARKER_VAR, EngineRecord, native_folder, read_record
+from vllmstack.runtime.native.dashboard import NativeDashboard
+from vllmstack.runtime.native.procs import (
+    DEFAULT_GRACE_S,
+    EngineGroup,
+    NativeError,
+    ProcTable,
+    human_age,
+    marked_engines,
+)
+from vllmstack.runtime.native.records import (
+    MARKER_VAR,
+    EngineRecord,
+    launch_marker,
+    load_record,
+    marker_prefix,
+    native_folder,
+    new_marker,
+)
 
 # The keeper writes the exit code a moment after the engine ends; state() waits this long for it.
 EXIT_WAIT_S = 2.0
@@ -102,7 +121,15 @@ class NativeEngine:
         return self.folder / "engine.log"
 
     def read_record(self) -> EngineRecord | None:
-        return read_record(self.project)
+        return load_record(self.project)[0]
+
+    def unrecorded(self, record: EngineRecord | None = None) -> list[EngineRecord]:
+        """This checkout's engines that `record` does not name, found by their marker: one
+        whose record was damaged, or overwritten by an `up` of a version without the lock."""
+        prefix, old = marker_prefix(self.project), launch_marker(self.project)
+        skip = record.marker if record is not None else None
+        return marked_engines(self.table, lambda marker: marker != skip and (
+            marker.startswith(prefix) or marker == old))
 
     def command(self) -> NativeCommand:
         if self.resolved is None:
@@ -122,6 +149,7 @@ class NativeEngine:
         if previous is not None:
             # Like compose's --force-recreate: whatever ran before goes first.
             self._end(previous, forget=True)
+        self._end_unrecorded(previous)
         try:
             self._check_devices()
             self._check_executable(command)
@@ -131,7 +159,7 @@ class NativeEngine:
             print(f"(dry run) note: {exc}; fix: {exc.fix}", file=self.out)
         for note in command.notes:
             print(f"note: {note}", file=self.out)
-        marker = secrets.token_hex(16)
+        marker = new_marker(self.project)
         spec = {"argv": command.argv, "env": {**command.env, MARKER_VAR: marker},
                 "cwd": str(self.project.root), "log": str(self.log_path),
                 "record": str(self.record_path), "exit": str(self.exit_path), "marker": marker,
@@ -157,9 +185,14 @@ class NativeEngine:
                               "(invoke install-engine), and the log generated/native/engine.log")
 
     def state(self) -> EngineState:
-        record = self.read_record()
+        record, problem = load_record(self.project)
         if record is None:
-            return MISSING
+            found = [p.pid for r in self.unrecorded() for p in EngineGroup(r, self.table).find()]
+            if not found:
+                return MISSING
+            # Running, as far as `up` (refuse a second engine) and `down` (end it) are concerned.
+            return EngineState(True, True, "running", details={
+                "pids": sorted(found), "record": problem or "no engine record names it"})
         details: dict[str, Any] = {"pid": record.pid, "log": record.log, "started": record.started}
         status = self.table.identify(record)
         if status == "alive":
@@ -179,21 +212,28 @@ class NativeEngine:
         return tail_lines(self.log_path, tail)
 
     def log_command(self, *, tail: int, follow: bool, service: str = "vllm") -> list[str] | None:
-        """`invoke logs` for the native runtime: tail(1) on the log file."""
-        if service != "vllm":
+        """`invoke logs` for the native runtime: tail(1) on the engine's or the dashboard's log."""
+        logs = {"vllm": self.log_path, "dashboard": self.dashboard().log_path}
+        if service not in logs:
             return None
-        return ["tail", "-n", str(tail), *(["-F"] if follow else []), str(self.log_path)]
+        return ["tail", "-n", str(tail), *(["-F"] if follow else []), str(logs[service])]
 
     def exec_command(self, command: Sequence[str], *, tty: bool) -> list[str]:
         raise NativeError("exec runs inside the engine container; the native runtime has none",
                           "run the command directly (the engine venv is under .cache/engines/)")
 
+    def dashboard(self) -> NativeDashboard:
+        return NativeDashboard(self.project, self.runner, self.environ, out=self.out,
+                               python=self.python, table=self.table)
+
     def dashboard_up(self) -> None:
-        print("dashboard: run `invoke dashboard` (the native runtime has no compose service)",
-              file=self.out)
+        """The dashboard as a recorded host process (runtime.native.dashboard); `down` ends it."""
+        if self.resolved is None:
+            raise NativeError("no profile was resolved, so the dashboard has no engine to show")
+        self.dashboard().up(self.resolved, f"http://127.0.0.1:{self.resolved.get_int('VLLM_PORT')}")
 
     def dashboard_down(self) -> None:
-        return None
+        self.dashboard().down()
 
     def stop(self) -> None:
         """Used after a failed start, where the failure itself is the message: never raises."""
@@ -206,21 +246,29 @@ class NativeEngine:
             print(f"warning: {exc} (fix: {exc.fix})", file=self.out)
 
     def remove(self) -> None:
-        record = self.read_record()
-        if record is None:
-            if not self.runner.dry_run:
-                # An unreadable record is no evidence of anything running; drop the rest.
-                self._forget()
-            return
+        self.dashboard_down()  # like compose's `down`: the side-car goes with the engine
+        record, problem = load_record(self.project)
+        if problem:
+            print(f"warning: {problem}; looking for the engine by the {MARKER_VAR} marker in "
+                  "its processes' environment instead", file=self.out)
         # A NativeError here (a process survived SIGKILL) makes `down` fail loudly: it is a
         # StackError, so the caller shows its cause and fix as they are.
-        self._end(record, forget=True)
+        if record is not None:
+            self._end(record, forget=True)
+        self._end_unrecorded(record)
+        if record is None and not self.runner.dry_run:
+            self._forget()
 
     def members(self) -> list[dict[str, Any]]:
         record = self.read_record()
         if record is None:
-            return []
+            return [m for r in self.unrecorded() for m in self._members(r, unrecorded=True)]
+        return self._members(record)
+
+    def _members(self, record: EngineRecord, *, unrecorded: bool = False) -> list[dict[str, Any]]:
         leader = self.table.is_alive(record)
+        note = (" (no engine record names it: `invoke down` ends it)" if unrecorded else
+                "" if leader else f" (its engine, pid {record.pid}, has exited)")
         out = []
         for proc in sorted(EngineGroup(record, self.table).find(), key=lambda p: p.pid):
             age = human_age(time.time() - self.table.started_at(proc))
@@ -229,8 +277,7 @@ class NativeEngine:
                 "name": f"{proc.comm} (pid {proc.pid})",
                 "service": "vllm",
                 "state": "running" if leader else "leftover",
-                "status": f"Up {age}, {role}" + ("" if leader else f" (its engine, pid {record.pid}, "
-                                                                   "has exited)"),
+                "status": f"Up {age}, {role}{note}",
                 "image": record.argv[0] if record.argv else "",
                 "pid": proc.pid,
             })
@@ -264,8 +311,9 @@ class NativeEngine:
         if command.venv is not None:
             raise NativeError(
                 f"the native engine for vLLM {command.version} is not installed: {exe} does not exist",
-                f"invoke install-engine --version {command.version} (add --wheels DIR for AMD's "
-                "ROCm wheels)")
+                f"invoke install-engine --version {command.version}" + (
+                    "" if command.version.endswith("+cpu")  # vLLM's CPU build: from the index
+                    else " (add --wheels DIR for AMD's ROCm wheels)"))
         source = self.resolved.source("NATIVE_ENGINE_COMMAND") if self.resolved else None
         raise NativeError(f"NATIVE_ENGINE_COMMAND starts with {exe!r}, which is not an executable "
                           f"here (set at {source or '?'})",
@@ -318,6 +366,22 @@ class NativeEngine:
                   file=self.out)
         if forget:
             self._forget()
+
+    def _end_unrecorded(self, record: EngineRecord | None) -> None:
+        """End this checkout's engines that `record` does not name (see `unrecorded`)."""
+        for other in self.unrecorded(record):
+            group = EngineGroup(other, self.table)
+            if self.runner.dry_run:
+                pids = sorted(p.pid for p in group.find())
+                print(f"(dry run) would end the unrecorded native engine processes {pids} "
+                      f"({MARKER_VAR}={other.marker})", file=self.out)
+                continue
+            count, seconds, killed = group.end(self.grace)
+            if count:
+                how = f"SIGKILL after the {self.grace:g} s grace" if killed else "SIGTERM"
+                print(f"stopped a native engine of this checkout that no record named (pid "
+                      f"{other.pid}, found by {MARKER_VAR}): {count} process(es) ended in "
+                      f"{seconds:.1f} s ({how})", file=self.out)
 
     def _forget(self) -> None:
         for path in (self.record_path, self.exit_path, self.spec_path):

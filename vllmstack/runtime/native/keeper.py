@@ -81,7 +81,7 @@ def run_keeper(spec: dict[str, Any], report_fd: int) -> None:
         marker=str(spec["marker"]), argv=argv, log=str(log_path), started=time.time(),
         keeper_pid=os.getpid(), keeper_start_ticks=me.start_ticks if me else None)
     try:
-        write_json(Path(spec["record"]), asdict(record))
+        write_json(Path(spec["record"]), asdict(record), mode=0o600)  # the argv may hold --api-key
     except OSError as exc:
         # An engine nobody can find later must not keep running.
         proc.kill()

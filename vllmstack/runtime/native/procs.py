@@ -91,6 +91,18 @@ class ProcTable:
             return False
         return entry in data.split(b"\0")
 
+    def env_value(self, pid: int, name: str) -> str | None:
+        """The value of `name` in a process's environment (None: unset, or not ours to read)."""
+        try:
+            data = (self.root / str(pid) / "environ").read_bytes()
+        except OSError:
+            return None
+        key = name.encode() + b"="
+        for entry in data.split(b"\0"):
+            if entry.startswith(key):
+                return entry[len(key):].decode(errors="replace")
+        return None
+
     def cmdline(self, pid: int) -> str:
         try:
             raw = (self.root / str(pid) / "cmdline").read_bytes()
@@ -236,6 +248,29 @@ class EngineGroup:
                               "they are stuck in the kernel, usually in the GPU driver (see dmesg); "
                               "a reboot frees them")
         return count, time.monotonic() - started, killed
+
+
+def marked_engines(table: ProcTable, belongs: Callable[[str], bool]) -> list[EngineRecord]:
+    """Engines found by the marker in their environment alone, one record per marker that
+    `belongs` accepts: what `down` ends when no record (or a damaged one) names them.
+
+    Each record's leader is its oldest marked process."""
+    groups: dict[str, list[Proc]] = {}
+    for proc in table.each():
+        if proc.zombie:
+            continue
+        marker = table.env_value(proc.pid, MARKER_VAR)
+        if marker and belongs(marker):
+            groups.setdefault(marker, []).append(proc)
+    boot = table.boot_id()
+    found = []
+    for marker, members in sorted(groups.items()):
+        # The oldest: the engine's leader while it lives (its children start after it), and a
+        # start time no other member precedes (EngineGroup.find skips older processes).
+        leader = min(members, key=lambda p: (p.start_ticks, p.pid))
+        found.append(EngineRecord(pid=leader.pid, start_ticks=leader.start_ticks, boot_id=boot,
+                                  marker=marker, argv=[], log="", started=0.0))
+    return found
 
 
 def human_age(seconds: float) -> str:

@@ -1,17 +1,19 @@
 """The engine record under generated/native/: which process is the native engine.
 
 engine.json holds the pid (= process group = session), its start time (field 22 of
-/proc/PID/stat), the boot id, a random marker and the keeper's pid; see `procs` for how a
-record is matched against the live process table.
+/proc/PID/stat), the boot id, a marker (the checkout's id and a random part) and the keeper's
+pid; see `procs` for how a record is matched against the live process table.
 """
 
 from __future__ import annotations
 
 import json
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vllmstack.core.checkout import checkout_id
 from vllmstack.core.paths import Project
 
 FOLDER = "native"
@@ -49,14 +51,48 @@ class EngineRecord:
         return record if record.pid > 1 and record.marker else None
 
 
-
 def native_folder(project: Project) -> Path:
     return project.generated / FOLDER
 
 
 def read_record(project: Project) -> EngineRecord | None:
+    return load_record(project)[0]
+
+
+def load_record(project: Project) -> tuple[EngineRecord | None, str]:
+    """(the record, why it cannot be used): ("" when there is simply none)."""
+    path = native_folder(project) / "engine.json"
     try:
-        data = json.loads((native_folder(project) / "engine.json").read_text())
-    except (OSError, ValueError):
+        text = path.read_text()
+    except FileNotFoundError:
+        return None, ""
+    except OSError as exc:
+        return None, f"the engine record {path} cannot be read ({exc.strerror or exc})"
+    try:
+        record = EngineRecord.from_json(json.loads(text))
+    except ValueError as exc:
+        return None, f"the engine record {path} is not valid JSON ({exc})"
+    if record is None:
+        return None, f"the engine record {path} lacks a usable pid, start time or marker"
+    return record, ""
+
+
+def marker_prefix(project: Project) -> str:
+    """Every engine this checkout starts carries VLLMSTACK_ENGINE_ID=<prefix><random>, so its
+    processes are found even when no record names them (a damaged engine.json)."""
+    return f"{checkout_id(project.root)}-"
+
+
+def new_marker(project: Project) -> str:
+    return marker_prefix(project) + secrets.token_hex(12)
+
+
+def launch_marker(project: Project) -> str | None:
+    """The marker in launch.json (written before the engine starts): the way to an engine
+    started before markers carried the checkout's prefix."""
+    try:
+        data = json.loads((native_folder(project) / "launch.json").read_text())
+        marker = data["marker"]
+    except (OSError, ValueError, KeyError, TypeError):
         return None
-    return EngineRecord.from_json(data)
+    return marker if isinstance(marker, str) and marker else None

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The issue-12 evidence run on the lent 2x H200 machine (see ../shared/gpu/README.md): the stack's own
+# commands (native runtime) against real vLLM 0.27.1 with dummy weights, side by side with
+# `vllm bench serve` from the same install. From the carried tree root, after device.sh stage p1/p2:
+#   source .gpu/p3/tools/device.sh setup && bash benchmarks/gpu/issue12-device-run.sh small|big
+# Everything it measures lands in $OUT/<mode>.tgz (logs, JSON, check output, the engine log).
+set -u
+MODE=$1; O=/tmp/ev-$MODE; rm -rf "$O"; mkdir -p "$O"; M=/tmp/models
+INV="python3 -m invoke"
+t0=$(date +%s.%N); el() { python3 -c "print(round($(date +%s.%N)-$t0,1))"; }
+step() { echo "=== +$(el)s $*" | tee -a "$O/steps.log"; }
+vbench() {  # served-name tokenizer-dir input output prompts concurrency file
+  step "vllm bench serve c=$6"
+  timeout 200 python3 -m vllm.entrypoints.cli.main bench serve --backend openai-chat \
+    --base-url http://127.0.0.1:8180 --endpoint /v1/chat/completions --model "$1" --tokenizer "$M/$2" \
+    --dataset-name random --random-input-len "$3" --random-output-len "$4" --num-prompts "$5" \
+    --max-concurrency "$6" --ignore-eos --temperature 0 --save-result --result-dir "$O" \
+    --result-filename "$7" > "$O/${7%.json}.txt" 2>&1; echo "rc=$?" >> "$O/steps.log"
+}
+common_env() {
+  cat > .env <<E
+RUNTIME=native
+VLLM_PORT=8180
+VLLM_VERSION=0.31.0
+VLLM_REF=v0.31.0
+NATIVE_ENGINE_VERSION=0.27.1
+NATIVE_ENGINE_COMMAND=python3 -m vllm.entrypoints.cli.main
+MODELS_DIR=$M
+ATTENTION_BACKEND=TRITON_ATTN
+E
+}
+nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv > "$O/nvidia-smi.csv" 2>&1
+common_env
+case $MODE in
+small)
+  cat >> .env <<E
+PLATFORM=nvidia
+MODEL_PROFILE=qwen3-0.6b
+VLLM_MODEL=$M/qwen3-0.6b-dummy
+VLLM_TOKENIZER=$M/qwen3-0.6b-dummy
+VLLM_EXTRA_ARGS=--load-format dummy
+E
+  NAME=qwen3-0.6b; TOK=qwen3-0.6b-dummy; TG=128; PROMPTS8=48 ;;
+big)
+  cat >> .env <<E
+PLATFORM=2xnvidia
+MODEL_PROFILE=qwen3.6-27b
+VLLM_MODEL=$M/qwen3.6-27b-dummy
+VLLM_TOKENIZER=$M/qwen3.6-27b-dummy
+VLLM_EXTRA_ARGS=--load-format dummy --gdn-prefill-backend triton
+VLLM_LIMIT_MM_PER_PROMPT=
+VLLM_ENFORCE_EAGER=1
+VLLM_MAX_MODEL_LEN=32768
+E
+  NAME=qwen3.6-27b; TOK=qwen3.6-27b-dummy; TG=256; PROMPTS8=24 ;;
+esac
+cp .env "$O/dotenv.txt"
+step check; timeout 90 $INV check -v > "$O/check.txt" 2>&1; echo "rc=$?" >> "$O/steps.log"
+step up; timeout 420 $INV up --no-dashboard --timeout 400 > "$O/up.txt" 2>&1; rc=$?; echo "rc=$rc" >> "$O/steps.log"
+cp generated/native/engine.log "$O/engine.log" 2>/dev/null
+if [ $rc -eq 0 ]; then
+  curl -s 127.0.0.1:8180/metrics > "$O/metrics-idle.txt"
+  step "bench c=1"; timeout 200 $INV bench --pp 2048 --tg $TG --runs 3 --json > "$O/bench_c1.json" 2> "$O/bench_c1.err"; echo "rc=$?" >> "$O/steps.log"
+  vbench $NAME $TOK 2048 $TG 5 1 vllm_c1.json
+  step "bench-conc c=1,8"; timeout 200 $INV bench-conc --concurrency 1 --concurrency 8 --pp 2048 --tg $TG --duration 20 --json > "$O/conc.json" 2> "$O/conc.err"; echo "rc=$?" >> "$O/steps.log"
+  vbench $NAME $TOK 2048 $TG $PROMPTS8 8 vllm_c8.json
+  step "probe prefix-cache"; timeout 120 $INV probe prefix-cache > "$O/probe-prefix.txt" 2>&1; echo "rc=$?" >> "$O/steps.log"
+  curl -s 127.0.0.1:8180/metrics > "$O/metrics-after.txt"
+fi
+step down; timeout 150 $INV down > "$O/down.txt" 2>&1; echo "rc=$?" >> "$O/steps.log"
+nvidia-smi --query-gpu=index,memory.used --format=csv >> "$O/down.txt" 2>&1
+step end
+mkdir -p "${OUT:-/tmp/out}"; tar -C /tmp -czf "${OUT:-/tmp/out}/$MODE.tgz" "ev-$MODE"; ls -la "${OUT:-/tmp/out}"

@@ -1,0 +1,207 @@
+"""The stack against a real vLLM engine: vLLM's CPU build serving the tiny model the stack makes.
+
+Everything else in the suite runs against the engine simulator; these tests run the real thing,
+the way a user without a GPU does it (README, "CPU quick start"):
+
+    invoke install-engine --platform cpu      # .cache/engines/vllm-0.32.0+cpu, made once
+    invoke make-model                         # vllmstack/tiny-qwen3 into the HF cache
+    invoke up --runtime native --platform cpu --model tiny
+
+then status, bench (side by side with `vllm bench serve` from the same install), the thinkoff
+and prefix-cache probes, stability smoke, down, and two real boot failures that `up` must
+diagnose. The engine environment is provisioned by the test itself, cached in this checkout's
+.cache/engines keyed by version (the first run installs it: 2.5 to 8 minutes, 3.4 GB), and the
+compile cache in .cache/real-engine-tests, so later runs boot faster.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from conftest import need
+from helpers import ROOT, copy_project, free_port, write_dotenv
+
+from vllmstack.image.cpu import is_cpu_build
+from vllmstack.runtime.native.install import engine_dir, read_manifest
+
+pytestmark = [pytest.mark.slow, pytest.mark.real_engine]
+ENGINE_VERSION = "0.32.0+cpu"  # env/platforms/cpu.env
+INSTALL_TIMEOUT_S = 1500
+BOOT_TIMEOUT_S = 600
+# `invoke bench` and `vllm bench serve` measure the same server within this share (issue 16).
+AGREE = 0.05
+
+
+def provision_engine() -> Path:
+    """The CPU engine's environment in this checkout's .cache, installed when it is missing."""
+    from vllmstack.core.paths import Project
+
+    folder = engine_dir(Project(ROOT), ENGINE_VERSION)
+    if read_manifest(folder) is None:
+        started = time.monotonic()
+        result = subprocess.run([sys.executable, "-m", "invoke", "install-engine", "--platform", "cpu"],
+                                cwd=ROOT, capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S,
+                                check=False)
+        print(f"install-engine --platform cpu: {time.monotonic() - started:.0f} s")
+        need(result.returncode == 0, "vLLM's CPU build (invoke install-engine --platform cpu failed: "
+             + (result.stderr.strip().splitlines() or ["?"])[-1] + ")")
+    return folder
+
+
+@dataclass
+class Stack:
+    root: Path
+    home: Path
+    port: int
+    engine: Path  # the engine environment
+
+    def invoke(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, "HOME": str(self.home)}
+        return subprocess.run([sys.executable, "-m", "invoke", *args], cwd=self.root, env=env,
+                              text=True, capture_output=True, timeout=timeout, check=False)
+
+    def must(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        result = self.invoke(*args, timeout=timeout)
+        said = f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        assert result.returncode == 0, f"invoke {' '.join(args)}:\n{said}"
+        return result
+
+    def answers(self) -> bool:
+        with socket.socket() as sock:
+            sock.settimeout(1)
+            return sock.connect_ex(("127.0.0.1", self.port)) == 0
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    engine = provision_engine()
+    assert is_cpu_build(ENGINE_VERSION)
+    base = tmp_path_factory.mktemp("real-cpu")
+    root = copy_project(base / "stack")
+    # The environment is big: the copy links to the checkout's (a venv's paths are absolute).
+    (root / ".cache" / "engines").mkdir(parents=True)
+    (root / ".cache" / "engines" / engine.name).symlink_to(engine)
+    home = base / "home"
+    home.mkdir()
+    port = free_port()
+    write_dotenv(root, {
+        "PLATFORM": "cpu", "MODEL_PROFILE": "tiny", "RUNTIME": "native", "VLLM_PORT": str(port),
+        "OTHER_ENGINE_PORTS": "", "DASHBOARD_PORT": str(free_port()),
+        # Compile caches survive the run (keyed by engine version inside), so boots get faster.
+        "HOST_CACHE_DIR": str(ROOT / ".cache" / "real-engine-tests"), "UP_TIMEOUT": str(BOOT_TIMEOUT_S),
+        # The made model goes where the bench client looks for tokenizers (HF_HOME, else ~/.cache).
+        "HF_CACHE_DIR": str(home / ".cache" / "huggingface")})
+    made = Stack(root, home, port, engine)
+    made.must("make-model")
+    yield made
+    made.invoke("down", timeout=120)
+
+
+@pytest.fixture(scope="module")
+def served(stack: Stack) -> Iterator[Stack]:
+    started = time.monotonic()
+    stack.must("up", "--no-dashboard", timeout=BOOT_TIMEOUT_S + 60)
+    print(f"up (healthy and warmed up): {time.monotonic() - started:.0f} s")
+    yield stack
+
+
+def test_up_status_serves_the_made_model(served: Stack) -> None:
+    status = json.loads(served.must("status", "--json").stdout)
+    text = json.dumps(status)
+    assert status.get("runtime") == "native" and '"tiny"' in text
+    assert "healthy" in text.lower()
+
+
+def vllm_bench_serve(stack: Stack, out: Path, pp: int, tg: int, prompts: int) -> dict[str, float]:
+    snapshot = next((stack.home / ".cache" / "huggingface" / "hub" / "models--vllmstack--tiny-qwen3"
+                     / "snapshots").iterdir())
+    argv = [str(stack.engine / "bin" / "vllm"), "bench", "serve", "--backend", "openai-chat",
+            "--base-url", f"http://127.0.0.1:{stack.port}", "--endpoint", "/v1/chat/completions",
+            "--model", "tiny", "--tokenizer", str(snapshot), "--dataset-name", "random",
+            "--random-input-len", str(pp), "--random-output-len", str(tg), "--num-prompts", str(prompts),
+            "--max-concurrency", "1", "--ignore-eos", "--save-result", "--result-dir", str(out),
+            "--result-filename", "vllm.json"]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False,
+                            env={**os.environ, "HOME": str(stack.home), "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    data = json.loads((out / "vllm.json").read_text())
+    assert data["completed"] == prompts and data["failed"] == 0
+    return {"ttft_ms": data["mean_ttft_ms"], "tg_tps": 1000.0 / data["mean_tpot_ms"],
+            "prompt_tokens": data["total_input_tokens"] / prompts,
+            "completion_tokens": data["total_output_tokens"] / prompts}
+
+
+def test_bench_side_by_side_with_vllm_bench_serve(served: Stack, tmp_path: Path) -> None:
+    """Both clients measure one workload on one server; their numbers are printed and kept.
+
+    Measured on the 2-core machine (client, API server and engine share the cores, with other
+    work beside them), the two disagreed by 30-60 % on TTFT and decode, and each moved by as much
+    between repeats; so the 5 % agreement is asserted only with VLLMSTACK_BENCH_AGREE=1 (a quiet
+    machine with spare cores). Always asserted: the same prompt and output lengths, no errors,
+    and numbers of the same order (a unit or counting mistake is a factor of 1000 or more).
+    """
+    pp, tg, runs = 256, 128, 8
+    ours = json.loads(served.must("bench", "--pp", str(pp), "--tg", str(tg), "--runs", str(runs),
+                                  "--json", timeout=600).stdout)
+    [row] = ours["results"]
+    assert row["errors"] == 0 and row["requests"] == runs
+    theirs = vllm_bench_serve(served, tmp_path, pp, tg, runs)
+    mine = {"ttft_ms": row["ttft_ms"]["mean"], "tg_tps": row["tg_tps"]["mean"]}
+    report = {k: (round(mine[k], 2), round(theirs[k], 2), f"{mine[k] / theirs[k] - 1:+.1%}") for k in mine}
+    print(f"invoke bench vs vllm bench serve (pp {pp}, tg {tg}, {runs} runs, c=1): {report}")
+    artifacts = ROOT / "test-artifacts"
+    artifacts.mkdir(exist_ok=True)
+    (artifacts / "real-cpu-bench-vs-vllm.json").write_text(json.dumps(
+        {"pp": pp, "tg": tg, "runs": runs, "invoke_bench": mine, "vllm_bench_serve": theirs}, indent=1))
+    assert abs(row["prompt_tokens"]["mean"] / theirs["prompt_tokens"] - 1) <= AGREE
+    assert row["completion_tokens"]["mean"] == theirs["completion_tokens"] == tg
+    for key in mine:
+        assert 0.1 <= mine[key] / theirs[key] <= 10, report
+        if os.environ.get("VLLMSTACK_BENCH_AGREE") == "1":
+            assert abs(mine[key] / theirs[key] - 1) <= AGREE, report
+
+
+@pytest.mark.parametrize("probe", ["thinkoff", "prefix-cache"])
+def test_probes_pass(served: Stack, probe: str) -> None:
+    result = served.invoke("probe", probe, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert "PASS" in result.stdout
+
+
+def test_stability_smoke_passes(served: Stack) -> None:
+    result = served.invoke("stability", "smoke", timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+
+
+def test_down_stops_the_engine(served: Stack) -> None:
+    started = time.monotonic()
+    served.must("down", timeout=180)
+    print(f"down: {time.monotonic() - started:.1f} s")
+    assert not served.answers()
+    assert not (served.root / "generated" / "native" / "engine.json").exists()
+
+
+@pytest.mark.parametrize(("setting", "cause", "fix"), [
+    # The share of node memory vLLM may take on the CPU, checked against what is free at start.
+    ("VLLM_GPU_MEM_UTIL=0.99", "on the CPU, gpu_memory_utilization 0.99 reserves",
+     "lower VLLM_GPU_MEM_UTIL"),
+    ("VLLM_EXTRA_ARGS=--no-such-flag-here", "vLLM does not know the flag(s) --no-such-flag-here",
+     "remove them from VLLM_EXTRA_ARGS"),
+])
+def test_real_boot_failures_are_diagnosed(stack: Stack, setting: str, cause: str, fix: str) -> None:
+    stack.invoke("down", timeout=120)
+    result = stack.invoke("up", "--no-dashboard", "--set", setting, timeout=BOOT_TIMEOUT_S + 60)
+    text = result.stdout + result.stderr
+    assert result.returncode == 1, text[-3000:]
+    assert "Traceback (most recent call last)" not in result.stderr.split("log line")[0]
+    assert cause in text and fix in text, text[-3000:]
+    assert not stack.answers()
