@@ -30,7 +30,7 @@ from typing import Any
 
 from vllmstack.checks.parser_pins import PINNED_REQUIREMENTS
 from vllmstack.config.profiles import Resolved
-from vllmstack.config.vllm_args import ARGS_KEYS, JSON_FLAGS, VALUE_FLAGS
+from vllmstack.config.vllm_args import flag_origins, flag_table
 from vllmstack.core.findings import Finding
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Result, Runner, format_command
@@ -65,17 +65,6 @@ PARSE_ENV = {
     "PYTHONNOUSERSITE": "1",
 }
 PIP_ENV = {"PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INPUT": "1"}
-# Flags the argv builder writes from one setting, for findings that name the key.
-FIXED_ORIGINS: dict[str, str] = {
-    **{flag: key for key, flag in (*VALUE_FLAGS, *JSON_FLAGS)},
-    "--port": "VLLM_PORT",
-    "--chat-template": "VLLM_CHAT_TEMPLATE",
-    "--enable-prefix-caching": "VLLM_ENABLE_PREFIX_CACHING",
-    "--no-enable-prefix-caching": "VLLM_ENABLE_PREFIX_CACHING",
-    "--enforce-eager": "VLLM_ENFORCE_EAGER",
-    "--speculative-config": "VLLM_SPEC_DECODE",
-    "--no-async-scheduling": "VLLM_SPEC_DECODE",
-}
 
 
 class ParserEnvError(RuntimeError):
@@ -446,11 +435,12 @@ def flag_origin(flag: str, resolved: Resolved | None) -> str | None:
     """The setting that put `flag` into the argv: a free-form args key first, else the
     setting the argv builder turns into that flag."""
     if resolved is not None:
-        for key in ARGS_KEYS:
+        for key in flag_table().args:
             for word in resolved.get_str(key).split():
                 name = word.split("=", 1)[0].replace("_", "-")
                 # An abbreviation in the free-form args also counts (vLLM accepts those).
                 if name == flag or (name.startswith("--") and len(name) > 3
                                     and flag.startswith(name)):
                     return key
-    return FIXED_ORIGINS.get(flag)
+    # The builder's own table (read from the schema on first use, never at import).
+    return flag_origins().get(flag)

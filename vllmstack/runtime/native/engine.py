@@ -2,8 +2,8 @@
 
 `invoke up --runtime native` runs the argv and environment the container would get (only the
 bind address and the chat-template folder differ) as a process group in its own session. A
-small keeper (`python -m vllmstack.runtime.native.engine keep SPEC`, started through the Runner, which returns
-as soon as the engine is launched) starts the engine, records it and waits for it, so a later
+small keeper (`python -m vllmstack.runtime.native.keeper keep SPEC`, started through the Runner,
+which returns as soon as the engine is launched) starts the engine, records it and waits for it, so a later
 `invoke status`/`down` from another process finds it and learns its exit code.
 
 Files under generated/native/:
@@ -14,17 +14,12 @@ Files under generated/native/:
   engine.exit.json  the exit code, written by the keeper when the engine ends
   engine.log        everything the engine printed (engine.log.1: the run before)
 
-Which processes are the engine's: the leader (pid and start time match the record, same boot),
-everything in its process group or session while the leader lives, and every process whose
-environment carries the record's marker (VLLMSTACK_ENGINE_ID). The marker is what finds an
-EngineCore left behind after the API server died (a known vLLM failure that keeps GPU memory
-held): its group leader is gone, but it inherited the environment. A recorded pid whose start
-time differs from the record belongs to another program now: it is reported, never signalled.
-Because the marker starts with the checkout's id, an engine no record names (engine.json
-damaged, or overwritten) is found too: `status` shows it, `up` will not start a second one
-beside it, and `down` ends it instead of printing "stopped" over a live engine.
+Which processes are the engine's is `procs`' business (the leader, its group, and the marker
+VLLMSTACK_ENGINE_ID in the environment). Because the marker starts with the checkout's id, an
+engine no record names (engine.json damaged, or overwritten) is found too: `status` shows it,
+`up` will not start a second one beside it, and `down` ends it instead of printing "stopped"
+over a live engine.
 """
-
 
 from __future__ import annotations
 
