@@ -79,3 +79,12 @@ def shipped() -> Project:
 def project(tmp_path: Path) -> Project:
     """A throwaway copy of the shipped env/ layers, .env.example and tuned-config folders."""
     return Project(copy_project(tmp_path))
+
+
+@pytest.fixture(scope="session")
+def tokenizer_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The bench corpus tokenizer, trained once per run (read-only for every test)."""
+    from vllmstack.bench.selftest_tokenizer import train_corpus_tokenizer
+
+    return train_corpus_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.json")
+

@@ -7,17 +7,22 @@ benchmark puts the repository root and tests/ on sys.path first:
     sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
     from helpers import free_port
 
-Standard library only, and nothing from pytest, so a benchmark runs without the test extras.
+Standard library only at import, and nothing from pytest, so a benchmark runs without the test
+extras (bench_cli imports the package when called).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import io
+import json
 import os
 import shutil
 import socket
 import subprocess
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -89,3 +94,25 @@ def write_dotenv(root: Path, settings: dict[str, str]) -> None:
     lines = [line for line in (ROOT / ".env.example").read_text().splitlines()
              if line.split("=", 1)[0] not in settings]
     (root / ".env").write_text("\n".join([*lines, *(f"{k}={v}" for k, v in settings.items())]) + "\n")
+
+
+def load_tasks() -> Any:
+    """tasks.py, freshly loaded (invoke consumes a task's help when it builds its arguments)."""
+    spec = importlib.util.spec_from_file_location("stack_tasks", ROOT / "tasks.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def bench_cli(url: str, tokenizer: Path, folder: Path, *args: str) -> tuple[int, dict[str, Any]]:
+    """`python -m vllmstack.bench ARGS --json` in-process against `url`; (exit code, JSON)."""
+    from vllmstack.bench.cli import main
+    from vllmstack.core.paths import Project
+
+    out = io.StringIO()
+    code = main([*args, "--url", url, "--model", "sim", "--tokenizer", str(tokenizer),
+                 "--history-dir", str(folder), "--json"], environ={},
+                project=Project(folder), out=out)
+    return code, json.loads(out.getvalue())
+

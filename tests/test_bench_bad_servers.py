@@ -17,17 +17,11 @@ import pytest
 from simulator.fixture import run_simulator
 
 from vllmstack.bench.cli import main
-from vllmstack.bench.selftest_tokenizer import train_corpus_tokenizer
 from vllmstack.bench.session import OVERHEAD_SAMPLES
 from vllmstack.core.paths import Project
 
 FAST = {"SIM_BOOT_SECONDS": "0", "SIM_TTFT_MS": "5", "SIM_ITL_MS": "2"}
 ARGV = ["--served-model-name", "sim", "--max-model-len", "8192"]
-
-
-@pytest.fixture(scope="module")
-def tokenizer_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return train_corpus_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.json")
 
 
 def run(url: str, tokenizer: Path, folder: Path, *args: str) -> tuple[int, str, float]:

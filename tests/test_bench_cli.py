@@ -19,17 +19,11 @@ from simulator.fixture import SimProcess, run_simulator
 from vllmstack.bench import history
 from vllmstack.bench.cli import main
 from vllmstack.bench.png import read_png_size
-from vllmstack.bench.selftest_tokenizer import train_corpus_tokenizer
 from vllmstack.core.paths import Project
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {"SIM_BOOT_SECONDS": "0", "SIM_TTFT_MS": "20", "SIM_ITL_MS": "5"}
 STAT_KEYS = {"mean", "p50", "p90", "p99"}
-
-
-@pytest.fixture(scope="module")
-def tokenizer_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return train_corpus_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.json")
 
 
 @pytest.fixture(scope="module")

@@ -3,40 +3,23 @@ them. Driven through the same CLI entry the tasks and the dashboard use."""
 
 from __future__ import annotations
 
-import io
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import bench_cli as cli
 from simulator.fixture import run_simulator
 
 from vllmstack.bench import history
-from vllmstack.bench.cli import main
 from vllmstack.bench.client import RequestResult
 from vllmstack.bench.png import decode_png, read_png_size
 from vllmstack.bench.probes import make_probe_image, stall_windows
-from vllmstack.bench.selftest_tokenizer import train_corpus_tokenizer
 from vllmstack.bench.stability import check_loop
-from vllmstack.core.paths import Project
 
 FAST = {"SIM_BOOT_SECONDS": "0", "SIM_TTFT_MS": "5", "SIM_ITL_MS": "2"}
 ARGV = ["--served-model-name", "sim", "--max-model-len", "16384", "--max-num-seqs", "8",
         "--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser",
         "hermes"]
-
-
-@pytest.fixture(scope="module")
-def tokenizer_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return train_corpus_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.json")
-
-
-def cli(url: str, tokenizer: Path, folder: Path, *args: str) -> tuple[int, dict[str, Any]]:
-    out = io.StringIO()
-    code = main([*args, "--url", url, "--model", "sim", "--tokenizer", str(tokenizer),
-                 "--history-dir", str(folder), "--json"], environ={},
-                project=Project(folder), out=out)
-    return code, json.loads(out.getvalue())
 
 
 def failed_checks(record: dict[str, Any]) -> list[str]:

@@ -8,19 +8,14 @@ Real shapes from the H200 runs of 2026-11-30 (vLLM 0.27.1) are the fixtures: the
 
 from __future__ import annotations
 
-import io
-import json
 from pathlib import Path
-from typing import Any
 
 import pytest
+from helpers import bench_cli as cli
 from simulator.fixture import run_simulator
 
-from vllmstack.bench.cli import main
 from vllmstack.bench.probe_cache import describe_layout, reachable_tokens
 from vllmstack.bench.probe_stall import stall_advice
-from vllmstack.bench.selftest_tokenizer import train_corpus_tokenizer
-from vllmstack.core.paths import Project
 from vllmstack.observe.metrics import CacheLayout, parse_metrics
 
 # metrics-hybrid-tp2-mtp2-after-load.txt: a Qwen3.6-27B-like hybrid at TP=2 with MTP-2.
@@ -40,19 +35,6 @@ HYBRID_CACHE_INFO = (
     '# TYPE vllm:spec_decode_num_drafts counter\n'
     'vllm:spec_decode_num_drafts_total{engine="0",model_name="qwen3.6-27b"} 1020.0\n')
 FAST = {"SIM_BOOT_SECONDS": "0", "SIM_TTFT_MS": "5", "SIM_ITL_MS": "2"}
-
-
-@pytest.fixture(scope="module")
-def tokenizer_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return train_corpus_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.json")
-
-
-def cli(url: str, tokenizer: Path, folder: Path, *args: str) -> tuple[int, dict[str, Any]]:
-    out = io.StringIO()
-    code = main([*args, "--url", url, "--model", "sim", "--tokenizer", str(tokenizer),
-                 "--history-dir", str(folder), "--json"], environ={},
-                project=Project(folder), out=out)
-    return code, json.loads(out.getvalue())
 
 
 def test_the_real_hybrid_reports_its_layout() -> None:

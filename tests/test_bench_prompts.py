@@ -12,12 +12,6 @@ from vllmstack.bench.prompts import (
     load_tokenizer,
     resolve_tokenizer,
 )
-from vllmstack.bench.selftest_tokenizer import train_corpus_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tokenizer_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return train_corpus_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.json")
 
 
 @pytest.fixture(scope="module")

@@ -16,16 +16,10 @@ from simulator.fixture import SimProcess, run_simulator, sim_env
 
 from vllmstack.bench import history
 from vllmstack.bench.runs import RunOptions, execute
-from vllmstack.bench.selftest_tokenizer import train_corpus_tokenizer
 from vllmstack.bench.target import target_from_url
 
 TTFT_MS, PREFILL_TPS, ITL_MS = 40.0, 20000.0, 10.0
 PACING = {"ttft_ms": TTFT_MS, "prefill_tps": PREFILL_TPS, "itl_ms": ITL_MS}
-
-
-@pytest.fixture(scope="module")
-def tokenizer_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return train_corpus_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.json")
 
 
 @pytest.fixture

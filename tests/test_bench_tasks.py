@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
+from helpers import load_tasks
 from invoke.tasks import Task
 from simulator.fixture import run_simulator
 
@@ -58,15 +57,6 @@ def test_invoke_bench_json_contract(tmp_path: Path) -> None:
                                   ["report", "--help"]])
 def test_task_help_renders(args: list[str]) -> None:
     assert invoke(*args).returncode == 0
-
-
-def load_tasks() -> Any:
-    """tasks.py, freshly loaded (invoke consumes a task's help when it builds its arguments)."""
-    spec = importlib.util.spec_from_file_location("stack_tasks", ROOT / "tasks.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def subparser(name: str) -> argparse.ArgumentParser:

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
+from helpers import load_tasks
 from invoke.context import Context
 from invoke.exceptions import Exit
 from invoke.tasks import Task
@@ -78,14 +77,6 @@ TASKS = ["bench", "bench-conc", "bench-depth", "build", "check", "clear-caches",
          "dashboard", "dashboard-down", "dashboard-up", "doctor", "down", "engines", "exec", "import-env",
          "install-engine", "logs", "make-model", "probe", "profiles", "rebuild", "report",
          "stability", "status", "test", "up", "verify-patches"]
-
-
-def load_tasks() -> Any:
-    spec = importlib.util.spec_from_file_location("stack_tasks", ROOT / "tasks.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_task_list_is_unchanged() -> None:
