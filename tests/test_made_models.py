@@ -164,7 +164,7 @@ def test_made_model_is_kept_remade_with_force_and_written_anywhere(tmp_path: Pat
     out = make_model("tiny", out=tmp_path / "models" / "tiny")
     assert sorted(p.name for p in out.folder.iterdir()) == [
         "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-        "tokenizer_config.json"]
+        "tokenizer_config.json", "vllmstack-model.json"]
     with pytest.raises(ModelMakerError) as err:
         make_model("huge", hf_cache=cache)
     assert err.value.fix == "use one of: tiny"

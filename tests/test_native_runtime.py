@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from vllmstack.config.engine import engine_of
 from vllmstack.config.profiles import list_profiles, resolve
 from vllmstack.config.schema import load_schema
 from vllmstack.config.vllm_args import build_serve_argv
@@ -122,9 +123,10 @@ def test_tail_lines_reads_the_end_of_a_long_log(tmp_path: Path) -> None:
 
 
 def shipped_pairs(shipped: Project) -> list[tuple[str, str]]:
+    """Every shipped vLLM profile on its platforms (ENGINE=llamacpp ones run llama-server)."""
     pairs = []
     for profile in list_profiles(shipped):
-        if profile.kind == "model":
+        if profile.kind == "model" and engine_of(resolve(shipped, model=profile.name)) == "vllm":
             pairs += [(profile.name, platform) for platform in profile.platforms or ("2xr9700",)]
     return pairs
 

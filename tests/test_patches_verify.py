@@ -541,7 +541,8 @@ def test_invoke_verify_patches_json_and_exit_code(proj: Project, upstream: Upstr
     data = json.loads(done.stdout)
     assert data["vllm"]["patches"] == [{"name": "0010-a.patch", "status": "applies",
                                         "detail": ""}]
-    assert set(data) == {"vllm", "aiter", "flash-attention"}
+    # llamacpp: the shipped patches/llamacpp/ folder (notes only), verified because it is there.
+    assert set(data) == {"vllm", "aiter", "flash-attention", "llamacpp"}
     assert {"repo", "ref", "patches", "overlays"} <= set(data["vllm"])
     upstream.write({"a.py": numbered("a").replace("a3\n", "A3\n")})
     upstream.commit("merged")

@@ -22,6 +22,7 @@ import pytest
 
 from vllmstack.checks import deep as vp
 from vllmstack.checks import parser_pins
+from vllmstack.config.engine import engine_of
 from vllmstack.config.profiles import Resolved, list_profiles, resolve
 from vllmstack.config.vllm_args import build_serve_argv
 from vllmstack.core.findings import Finding
@@ -596,7 +597,8 @@ def test_every_shipped_profile_is_accepted_by_the_pinned_vllm(
         real_env: tuple[Project, str]) -> None:
     project, version = real_env
     pairs = [(info.name, platform) for info in list_profiles(project)
-             if info.kind == "model" for platform in info.platforms]
+             if info.kind == "model" and engine_of(resolve(project, model=info.name)) == "vllm"
+             for platform in info.platforms]
     assert pairs, "no shipped model profiles"
     resolved = [resolve(project, platform=p, model=m, environ={}) for m, p in pairs]
     argvs = [build_serve_argv(r).argv for r in resolved]

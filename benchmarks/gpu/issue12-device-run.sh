@@ -6,6 +6,10 @@
 # Everything it measures lands in $OUT/<mode>.tgz (logs, JSON, check output, the engine log).
 set -u
 MODE=$1; O=/tmp/ev-$MODE; rm -rf "$O"; mkdir -p "$O"; M=/tmp/models
+# Whatever happens (a step past the call's limit included), what was measured so far comes back.
+pack() { mkdir -p "${OUT:-/tmp/out}"; cp generated/native/engine.log "$O/engine.log" 2>/dev/null
+         tar -C /tmp -czf "${OUT:-/tmp/out}/$MODE.tgz" "ev-$MODE"; }
+trap pack EXIT TERM
 INV="python3 -m invoke"
 t0=$(date +%s.%N); el() { python3 -c "print(round($(date +%s.%N)-$t0,1))"; }
 step() { echo "=== +$(el)s $*" | tee -a "$O/steps.log"; }
@@ -49,10 +53,10 @@ VLLM_MODEL=$M/qwen3.6-27b-dummy
 VLLM_TOKENIZER=$M/qwen3.6-27b-dummy
 VLLM_EXTRA_ARGS=--load-format dummy --gdn-prefill-backend triton
 VLLM_LIMIT_MM_PER_PROMPT=
-VLLM_ENFORCE_EAGER=1
 VLLM_MAX_MODEL_LEN=32768
 E
-  NAME=qwen3.6-27b; TOK=qwen3.6-27b-dummy; TG=256; PROMPTS8=24 ;;
+  # CUDA graphs on: eager mode made every request take ~40 s (the first attempt timed out).
+  NAME=qwen3.6-27b; TOK=qwen3.6-27b-dummy; TG=256; PROMPTS8=16 ;;
 esac
 cp .env "$O/dotenv.txt"
 step check; timeout 90 $INV check -v > "$O/check.txt" 2>&1; echo "rc=$?" >> "$O/steps.log"
@@ -61,7 +65,7 @@ cp generated/native/engine.log "$O/engine.log" 2>/dev/null
 if [ $rc -eq 0 ]; then
   curl -s 127.0.0.1:8180/metrics > "$O/metrics-idle.txt"
   step "bench c=1"; timeout 200 $INV bench --pp 2048 --tg $TG --runs 3 --json > "$O/bench_c1.json" 2> "$O/bench_c1.err"; echo "rc=$?" >> "$O/steps.log"
-  vbench $NAME $TOK 2048 $TG 5 1 vllm_c1.json
+  vbench $NAME $TOK 2048 $TG 4 1 vllm_c1.json
   step "bench-conc c=1,8"; timeout 200 $INV bench-conc --concurrency 1 --concurrency 8 --pp 2048 --tg $TG --duration 20 --json > "$O/conc.json" 2> "$O/conc.err"; echo "rc=$?" >> "$O/steps.log"
   vbench $NAME $TOK 2048 $TG $PROMPTS8 8 vllm_c8.json
   step "probe prefix-cache"; timeout 120 $INV probe prefix-cache > "$O/probe-prefix.txt" 2>&1; echo "rc=$?" >> "$O/steps.log"
@@ -70,4 +74,3 @@ fi
 step down; timeout 150 $INV down > "$O/down.txt" 2>&1; echo "rc=$?" >> "$O/steps.log"
 nvidia-smi --query-gpu=index,memory.used --format=csv >> "$O/down.txt" 2>&1
 step end
-mkdir -p "${OUT:-/tmp/out}"; tar -C /tmp -czf "${OUT:-/tmp/out}/$MODE.tgz" "ev-$MODE"; ls -la "${OUT:-/tmp/out}"

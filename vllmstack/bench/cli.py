@@ -99,7 +99,7 @@ def _load_builder(target: Target, environ: Mapping[str, str], required: bool
             raise CliError("no tokenizer: pass --tokenizer or set VLLM_TOKENIZER")
         return None, None
     try:
-        tokenizer = load_tokenizer(find_tokenizer(target.tokenizer, environ))
+        tokenizer = load_tokenizer(find_tokenizer(target.tokenizer, environ, target.hf_cache))
     except TokenizerError:
         if required:
             raise

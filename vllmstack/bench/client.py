@@ -139,13 +139,14 @@ class ChatClient:
         api_key: str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         tokenizer: Any = None,
+        keep_alive: bool = True,
     ) -> None:
         self.base_url = normalize_base_url(base_url)
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self.tokenizer = tokenizer
         self.timeout_s = timeout_s
         self._http = HTTPClient(self.base_url, headers=headers, timeout_s=timeout_s,
-                                connect_timeout_s=min(timeout_s, 10.0))
+                                connect_timeout_s=min(timeout_s, 10.0), keep_alive=keep_alive)
 
     async def __aenter__(self) -> ChatClient:
         return self

@@ -25,6 +25,9 @@ from vllmstack.core.errors import StackError
 
 SCHEMA_VERSION: int = 1
 KINDS = ("bench", "depth", "conc", "probe", "stability")
+# Kinds that bring profiles up and down themselves and write their own markdown tables when they
+# run (`bench-vs`, `burn`); `invoke report` renders KINDS.
+PROFILE_RUN_KINDS = ("bench-vs", "burn")
 
 DEFAULT_MAX_BYTES = 4_000_000
 
@@ -34,8 +37,9 @@ class HistoryError(StackError, ValueError):
 
 
 def history_path(folder: Path, kind: str) -> Path:
-    if kind not in KINDS:
-        raise HistoryError(f"unknown history kind {kind!r}; known kinds: {', '.join(KINDS)}")
+    if kind not in KINDS + PROFILE_RUN_KINDS:
+        raise HistoryError(f"unknown history kind {kind!r}; known kinds: "
+                           f"{', '.join(KINDS + PROFILE_RUN_KINDS)}")
     return folder / f"{kind}_history.jsonl"
 
 

@@ -310,7 +310,8 @@ class HTTPClient:
     """Keep-alive HTTP/1.1 to one origin. Safe for many concurrent requests on one loop."""
 
     def __init__(self, base_url: str, *, headers: Mapping[str, str] | None = None,
-                 timeout_s: float = 600.0, connect_timeout_s: float = 10.0) -> None:
+                 timeout_s: float = 600.0, connect_timeout_s: float = 10.0,
+                 keep_alive: bool = True) -> None:
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"not an http(s) URL: {base_url!r}")
@@ -324,6 +325,9 @@ class HTTPClient:
         self._head = "".join(f"{k}: {v}\r\n" for k, v in base.items())
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
+        # False: one connection per request, for servers that close a connection after a streamed
+        # response without saying so (llama-server: a request sent on it meanwhile is lost).
+        self.keep_alive = keep_alive
         self._idle: list[_Protocol] = []
         self._closed = False
 
@@ -374,7 +378,8 @@ class HTTPClient:
         try:
             yield response
         finally:
-            keep = (protocol.complete and not protocol.closed and not self._closed
+            keep = (self.keep_alive and protocol.complete and not protocol.closed
+                    and not self._closed
                     and protocol.headers.get("connection", "").lower() != "close")
             if keep:
                 protocol.sink = None

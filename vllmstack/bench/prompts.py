@@ -71,8 +71,9 @@ def _snapshot_tokenizer(repo_dir: Path) -> Path | None:
     return max(found, key=lambda p: p.stat().st_mtime)
 
 
-def resolve_tokenizer(spec: str, environ: Mapping[str, str]) -> Path:
-    """Path of tokenizer.json for a file, a folder, or an HF id present in the local cache."""
+def resolve_tokenizer(spec: str, environ: Mapping[str, str], hf_home: str | None = None) -> Path:
+    """Path of tokenizer.json for a file, a folder, or an HF id present in the local cache
+    (`hf_home`: the stack's own HF cache, looked in first)."""
     if not spec:
         raise TokenizerError(
             "no tokenizer given; pass --tokenizer PATH (tokenizer.json, a model folder, or a "
@@ -91,7 +92,8 @@ def resolve_tokenizer(spec: str, environ: Mapping[str, str]) -> Path:
     looked: list[str] = []
     if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
         repo = "models--" + spec.replace("/", "--")
-        for cache in hf_cache_dirs(environ):
+        first = [Path(hf_home) / "hub"] if hf_home else []
+        for cache in [*first, *(d for d in hf_cache_dirs(environ) if d not in first)]:
             looked.append(str(cache / repo))
             found = _snapshot_tokenizer(cache / repo)
             if found is not None:

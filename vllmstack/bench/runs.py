@@ -122,7 +122,7 @@ async def execute(
     if not target.tokenizer:
         raise RunError("no tokenizer: pass --tokenizer (tokenizer.json or model folder) or set "
                        "VLLM_TOKENIZER; prompts of exact length need the model's tokenizer")
-    tokenizer_path = resolve_tokenizer(target.tokenizer, environ)
+    tokenizer_path = resolve_tokenizer(target.tokenizer, environ, target.hf_cache)
     tokenizer = load_tokenizer(tokenizer_path)
     own_client = client is None
     if client is None:

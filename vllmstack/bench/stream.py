@@ -53,6 +53,9 @@ class RequestResult:
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str | None = None
     stopped: bool = False  # ended early on purpose (probes), not a failure
+    # llama-server's own `timings` object (prompt_per_second, predicted_per_second, ...), which
+    # it puts on the last chunk of a stream; None from servers that send none (vLLM).
+    server_timings: dict[str, Any] | None = None
 
     @property
     def ok(self) -> bool:
@@ -306,6 +309,8 @@ class StreamState:
         if not isinstance(choices, list):
             raise StreamShapeError(f"choices is {describe(choices)}, expected a list")
         if not choices:
+            if "timings" in obj:  # only the closing chunks carry it: no cost per token
+                self.timings(obj["timings"])
             if usage_tokens and not result.chunk_times:
                 # Tokens without any text (a stripped thinking marker, a special token): the
                 # chunk that carries their count is the only trace of them, so it is their time.
@@ -352,6 +357,8 @@ class StreamState:
         finish = _text(choice, "finish_reason", "choices[0]")
         if finish:
             result.finish_reason = finish
+            if "timings" in obj:
+                self.timings(obj["timings"])
         if not carries and usage_tokens is not None and usage_tokens > self.last_usage_tokens:
             carries = True  # per-chunk usage says tokens came, though none had text
         if not carries:
@@ -370,6 +377,11 @@ class StreamState:
             self.last_usage_tokens = usage_tokens
         else:
             result.chunk_tokens.append(-1)  # unknown yet; settled in `close`
+
+    def timings(self, value: Any) -> None:
+        if not isinstance(value, dict):
+            raise StreamShapeError(f"timings is {describe(value)}, expected an object")
+        self.result.server_timings = value
 
     def merge_tool_calls(self, calls: Any) -> None:
         if not isinstance(calls, list):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from vllmstack.config.profiles import Resolved
@@ -33,6 +34,9 @@ class Target:
     platform: str | None = None
     pins: dict[str, str] = field(default_factory=dict)
     from_profile: bool = False
+    # The stack's Hugging Face cache (HF_HOME of the engine) when the profile moves it
+    # (HF_CACHE_DIR / HOST_CACHE_DIR): a tokenizer given as a hub id is looked up there first.
+    hf_cache: str | None = None
 
     def describe(self) -> dict[str, Any]:
         """The part of a history record that says what was measured."""
@@ -94,7 +98,18 @@ def target_from_profile(
         platform=resolved.platform,
         pins=pins_of(resolved),
         from_profile=url is None,
+        hf_cache=profile_hf_cache(resolved),
     )
+
+
+def profile_hf_cache(resolved: Resolved) -> str | None:
+    """HF_CACHE_DIR, else HOST_CACHE_DIR/huggingface (as the engine's mounts use them); None when
+    the profile leaves both to the default, which the usual lookup already covers."""
+    if resolved.get("HF_CACHE_DIR"):
+        return str(Path(resolved.get_str("HF_CACHE_DIR")).expanduser())
+    if resolved.get("HOST_CACHE_DIR"):
+        return str(Path(resolved.get_str("HOST_CACHE_DIR")).expanduser() / "huggingface")
+    return None
 
 
 def target_from_url(

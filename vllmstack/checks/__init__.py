@@ -14,6 +14,10 @@ Where things live (a new check goes in the module of its concern, then into RULE
   tuned_configs.py  the tuned Triton kernel configs (fused_moe_configs/, fp8_configs/)
   rocm.py           vendor runtime settings: HSA override, AITER, ROCm variables on NVIDIA
   pins.py           build pins that move together, and overlays locked to a vLLM ref
+  llamacpp.py       ENGINE=llamacpp: llama-server's argv, the GGUF file, its architecture, the
+                    context against the trained one, the memory projection (RULE_ENGINES)
+  gguf.py           a GGUF header's facts (gguf package); llamacpp-archs.txt: the architectures
+                    the pinned llama.cpp loads
   deep.py           `check --deep`: the argv through the pinned vLLM's own parser
   parser_pins.py    reads parser-requirements.txt: the pinned packages of deep.py's parser
                     environment, one `[VERSION]` section per vLLM release (edit the .txt)

@@ -4,7 +4,8 @@ A rule is a function `(ctx) -> list[Finding]`. The context holds the resolved se
 schema, the model's facts and the environment, plus helpers that read a setting without raising
 (`ctx.int`, `ctx.float` give None for a bad value) and `ctx.usable(...)`, which tells a rule to
 stay quiet when a setting it builds on already failed validation. Add a helper here only when
-several rule modules need it.
+several rule modules need it. For ENGINE=llamacpp the context also holds the GGUF header of
+LLAMACPP_MODEL (read once, here) and the rules build `command` from llama-server's argv.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from vllmstack.checks.gguf import GgufRead, read_setting
+from vllmstack.config.engine import engine_of
+from vllmstack.config.llamacpp_args import is_llamacpp
 from vllmstack.config.modelinfo import ModelFacts, load_model_facts
 from vllmstack.config.profiles import Resolved, Setting
 from vllmstack.config.schema import Schema, load_schema
@@ -42,6 +46,8 @@ class CheckContext:
     used_cards: tuple[GpuCard, ...] = ()
     detected: dict[str, str] = field(default_factory=dict)
     looked_for_gpus: bool = False
+    # ENGINE=llamacpp: the header of LLAMACPP_MODEL, or why it could not be read.
+    gguf: GgufRead | None = None
 
     def get(self, key: str) -> str:
         """The raw text of a setting, "" when unset (no schema default: rules validate it)."""
@@ -75,6 +81,11 @@ class CheckContext:
                 fix: str | None = None) -> Finding:
         return Finding(severity, code, message, key=key,
                        source=self.src(key) if key else None, fix=fix)
+
+    @property
+    def engine(self) -> str:
+        """vllm or llamacpp: which rules apply (registry.RULE_ENGINES) and which argv is built."""
+        return engine_of(self.resolved)
 
     @property
     def runtime(self) -> str:
@@ -120,7 +131,8 @@ def build_context(
     return CheckContext(project, resolved, schema or load_schema(),
                         load_model_facts(resolved, environ), environ, runtime_name=runtime,
                         hardware=hardware, used_cards=used or (), detected=detected,
-                        looked_for_gpus=looked)
+                        looked_for_gpus=looked,
+                        gguf=read_setting(resolved) if is_llamacpp(resolved) else None)
 
 
 def pinned(resolved: Resolved, key: str) -> bool:

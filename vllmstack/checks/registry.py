@@ -4,13 +4,17 @@ This module is the index: RULES lists every rule in the order the report shows t
 `check_profile` (`invoke check`) runs them, with `--deep` also vLLM's own parser (deep.py).
 Each rule is a function `rule_<what>(ctx) -> list[Finding]` in the module of its concern (see
 the package docstring); findings name the key, the file:line that set it, and a fix.
-A new rule: write it in its module, add it to RULES here, and add a test in tests/test_checks.py.
+A rule applies to every engine unless RULE_ENGINES names the engines it is for (the vLLM argv,
+scheduler and memory rules; llamacpp.py's rules), so no rule tests ENGINE itself.
+A new rule: write it in its module, add it to RULES here (and to RULE_ENGINES when it is about
+one engine), and add a test in tests/test_checks.py.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import replace
+from types import MappingProxyType
 from typing import Any
 
 from vllmstack.checks import deep as vllm_parser
@@ -24,6 +28,15 @@ from vllmstack.checks.inputs import (
     rule_mount_paths,
     rule_profile_host_keys,
 )
+from vllmstack.checks.llamacpp import (
+    rule_gguf_arch,
+    rule_gguf_files,
+    rule_llamacpp_argv,
+    rule_llamacpp_context,
+    rule_llamacpp_memory,
+    rule_llamacpp_required,
+    rule_llamacpp_settings,
+)
 from vllmstack.checks.pins import rule_overlays, rule_pins
 from vllmstack.checks.profile import (
     rule_argv,
@@ -35,6 +48,7 @@ from vllmstack.checks.profile import (
 from vllmstack.checks.rocm import rule_rocm
 from vllmstack.checks.scheduler import rule_scheduler, rule_spec_decode
 from vllmstack.checks.tuned_configs import rule_tuned_configs
+from vllmstack.config.engine import LLAMACPP, VLLM, display_name, engine_of
 from vllmstack.config.profiles import Resolved
 from vllmstack.config.schema import Schema
 from vllmstack.core.findings import Finding, sort_findings
@@ -45,7 +59,9 @@ from vllmstack.image import build
 RULES: tuple[Rule, ...] = (
     rule_profile_problems,
     rule_required,
+    rule_llamacpp_required,
     rule_argv,
+    rule_llamacpp_argv,
     rule_profile_platform,
     rule_dotenv_overrides,
     rule_env_file_values,
@@ -54,16 +70,48 @@ RULES: tuple[Rule, ...] = (
     rule_engine_env,
     rule_profile_host_keys,
     rule_files_exist,
+    rule_gguf_files,
+    rule_gguf_arch,
+    rule_llamacpp_context,
+    rule_llamacpp_settings,
     rule_spec_decode,
     rule_scheduler,
     rule_detected_gpus,
     rule_parallelism,
     rule_memory,
+    rule_llamacpp_memory,
     rule_tuned_configs,
     rule_rocm,
     rule_pins,
     rule_overlays,
 )
+ENGINES = (VLLM, LLAMACPP)
+_VLLM = (VLLM,)
+_LLAMACPP = (LLAMACPP,)
+# The engines a rule is for; a rule not listed applies to every engine.
+RULE_ENGINES: Mapping[Rule, tuple[str, ...]] = MappingProxyType({
+    rule_required: _VLLM,  # VLLM_MODEL; rule_llamacpp_required asks for LLAMACPP_MODEL instead
+    rule_argv: _VLLM,
+    rule_files_exist: _VLLM,
+    rule_spec_decode: _VLLM,
+    rule_scheduler: _VLLM,
+    rule_parallelism: _VLLM,
+    rule_memory: _VLLM,
+    rule_tuned_configs: _VLLM,
+    rule_pins: _VLLM,
+    rule_overlays: _VLLM,
+    rule_llamacpp_required: _LLAMACPP,
+    rule_llamacpp_argv: _LLAMACPP,
+    rule_gguf_files: _LLAMACPP,
+    rule_gguf_arch: _LLAMACPP,
+    rule_llamacpp_context: _LLAMACPP,
+    rule_llamacpp_settings: _LLAMACPP,
+    rule_llamacpp_memory: _LLAMACPP,
+})
+
+
+def applies(rule: Rule, engine: str) -> bool:
+    return engine in RULE_ENGINES.get(rule, ENGINES)
 
 
 def run_checks(
@@ -76,11 +124,13 @@ def run_checks(
     runtime: str | None = None,
     runner: Runner | None = None,
 ) -> tuple[list[Finding], CheckContext]:
-    """Every rule; with a `runner`, the host's GPUs fill in what the platform does not pin."""
+    """Every rule of the profile's engine; with a `runner`, the host's GPUs fill in what the
+    platform does not pin."""
     ctx = build_context(project, resolved, environ, schema=schema, runtime=runtime, runner=runner)
     findings: list[Finding] = []
     for rule in rules:
-        findings.extend(rule(ctx))
+        if applies(rule, ctx.engine):
+            findings.extend(rule(ctx))
     # A message may quote a value (".env overrides ..."): never a token's.
     secrets = resolved.secrets()
     findings = [replace(f, message=mask_text(f.message, secrets),
@@ -100,10 +150,12 @@ def report_json(resolved: Resolved, findings: list[Finding]) -> dict[str, Any]:
 def render_report(resolved: Resolved, findings: list[Finding], *, verbose: bool = False) -> str:
     shown = [f for f in findings if verbose or f.severity != "info" or f.code in (
         "memory-projection", "spec-implies-no-async", "no-dotenv", "vllm-parser-ok", "gpu-detected",
-        "gpu-not-detected")]
+        "gpu-not-detected", "gguf-header", "llamacpp-memory-projection")]
     errors = sum(f.severity == "error" for f in findings)
     warnings = sum(f.severity == "warning" for f in findings)
-    lines = [f"profile {resolved.profile} on {resolved.platform}"]
+    engine = engine_of(resolved)
+    lines = [f"profile {resolved.profile} on {resolved.platform}"
+             + ("" if engine == VLLM else f" ({display_name(engine)})")]
     lines += [f.render() for f in shown]
     verdict = "FAILED" if errors else "OK"
     lines.append(f"{verdict}: {errors} error(s), {warnings} warning(s)")
@@ -117,9 +169,18 @@ def check_profile(
     runner: Runner,
     *,
     deep: bool = False,
+    runtime: str | None = None,
 ) -> list[Finding]:
-    """`invoke check`: every rule, plus vLLM's own parser on the argv with `deep`."""
-    findings, ctx = run_checks(project, resolved, environ, runner=runner)
+    """`invoke check`: every rule, plus vLLM's own parser on the argv with `deep`; `runtime`
+    (native, compose, ...) as `up --runtime` would use, for the rules that depend on it."""
+    findings, ctx = run_checks(project, resolved, environ, runner=runner, runtime=runtime)
+    if ctx.engine != VLLM:
+        # The vLLM parser and the vLLM image's labels say nothing about llama-server.
+        if deep:
+            findings.append(Finding("info", "deep-vllm-only",
+                                    "--deep runs vLLM's own parser; a llama.cpp profile has no "
+                                    "vLLM argv to parse"))
+        return sort_findings(findings)
     if deep and ctx.command is not None:
         parsed = vllm_parser.check_with_vllm_parser(project, runner, ctx.command.argv, resolved)
         if not [f for f in parsed if f.severity != "info"]:

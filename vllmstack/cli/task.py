@@ -25,6 +25,8 @@ class StackTask(Task[Any]):
     def __init__(self, body: Callable[..., Any], *, kinds: dict[str, type] | None = None,
                  **kwargs: Any) -> None:
         self.kinds = kinds or {}
+        # invoke pops each help text as it builds the parser; `render_help` needs them later.
+        self.help_texts: dict[str, str] = dict(kwargs.get("help") or {})
         super().__init__(body, **kwargs)
 
     def arg_opts(self, name: str, default: Any, taken_names: set[str]) -> dict[str, Any]:
@@ -45,6 +47,11 @@ def stack_task(*, errors: tuple[type[BaseException], ...] = (),
     def wrap(fn: Callable[..., Any]) -> StackTask:
         @functools.wraps(fn)  # invoke reads the options from fn's signature through this
         def body(c: Context, *args: Any, **kw: Any) -> Any:
+            # A task with a positional argument takes `-h` as its value (`invoke import-env -h`
+            # looked for a file named -h); it is help there too.
+            if HELP_WORDS & {v for v in (*args, *kw.values()) if isinstance(v, str)}:
+                print(render_help(task))
+                return None
             try:
                 return fn(c, *args, **kw)
             except caught as exc:
@@ -53,9 +60,25 @@ def stack_task(*, errors: tuple[type[BaseException], ...] = (),
                       file=sys.stderr)
                 raise Exit(code=1) from exc
 
-        return StackTask(body, **kwargs)
+        task = StackTask(body, **kwargs)
+        return task
 
     return wrap
+
+
+HELP_WORDS = {"-h", "--help"}
+
+
+def render_help(task: StackTask) -> str:
+    """invoke's own help layout, for the tasks where invoke cannot print it (see above)."""
+    args = task.get_arguments()
+    positional = " ".join(f"[<{a.name}>]" for a in args if a.positional)
+    lines = [f"Usage: inv[oke] [--core-opts] {task.name.replace('_', '-')} [--options] {positional}".rstrip(),
+             "", "Docstring:", f"  {(task.__doc__ or '').strip()}", "", "Options:"]
+    for arg in args:
+        names = ", ".join(("-" if len(n) == 1 else "--") + n.replace("_", "-") for n in arg.names)
+        lines.append(f"  {names:<28} {task.help_texts.get(arg.name or '', '')}".rstrip())
+    return "\n".join(lines)
 
 
 def exit_with(code: int) -> None:

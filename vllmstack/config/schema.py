@@ -12,7 +12,8 @@ from typing import Any
 
 import yaml
 
-KINDS = ("vllm-flag", "container-env", "build-arg", "stack")
+# llamacpp-flag: a llama-server flag (vllmstack/config/llamacpp_args.py builds that argv).
+KINDS = ("vllm-flag", "llamacpp-flag", "container-env", "build-arg", "stack")
 TYPES = ("str", "int", "float", "bool", "json", "args", "path", "list")
 TRUE_WORDS = {"1", "true", "yes", "on"}
 FALSE_WORDS = {"0", "false", "no", "off", ""}

@@ -53,6 +53,9 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Dashboard
                              "(default: VLLM_MAX_NUM_SEQS)")
     parser.add_argument("--poll-interval", type=float, default=1.0,
                         help="seconds between /metrics polls while the engine answers")
+    parser.add_argument("--router-url", default=environ.get("ROUTER_URL") or "http://127.0.0.1:8080",
+                        help="`invoke router`'s URL, whose state the page shows (default: ROUTER_URL, "
+                             "else http://127.0.0.1:8080)")
     args = parser.parse_args(list(argv))
     return DashboardSettings(
         engine_url=args.engine_url,
@@ -65,6 +68,8 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Dashboard
         tokenizer=args.tokenizer,
         max_num_seqs=args.max_num_seqs,
         poll_interval=args.poll_interval,
+        router_url=args.router_url,
+        router_token=environ.get("ROUTER_TOKEN", ""),
     )
 
 

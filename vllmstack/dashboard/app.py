@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
-import ipaddress
 import json
 import math
 import sys
@@ -44,6 +42,7 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, Field
 
 from vllmstack.bench import history
+from vllmstack.core import access
 from vllmstack.core.errors import StackError
 from vllmstack.dashboard.live import LiveMetrics
 from vllmstack.dashboard.runs import (
@@ -69,16 +68,6 @@ class DashboardError(StackError, ValueError):
     """Settings the dashboard cannot run with; the message names the setting and the fix."""
 
 
-def is_loopback(host: str) -> bool:
-    host = host.strip().strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 @dataclass
 class DashboardSettings:
     engine_url: str
@@ -98,6 +87,9 @@ class DashboardSettings:
     run_timeouts: dict[str, float] = field(default_factory=dict)
     cancel_grace: float = 5.0
     python: str = sys.executable
+    # `invoke router`'s URL: the page shows its resident model, queue and recent swaps.
+    router_url: str = "http://127.0.0.1:8080"
+    router_token: str = ""
 
     @property
     def exposed_on(self) -> str:
@@ -105,10 +97,10 @@ class DashboardSettings:
 
     @property
     def auth_required(self) -> bool:
-        return bool(self.token) or not is_loopback(self.exposed_on)
+        return access.token_required(self.exposed_on, self.token)
 
     def validate(self) -> None:
-        if not is_loopback(self.exposed_on) and not self.token:
+        if access.exposed_without_token(self.exposed_on, self.token):
             raise DashboardError(
                 f"the dashboard would listen on {self.exposed_on}, reachable from other machines, "
                 "without a token; set DASHBOARD_TOKEN in .env (any long random string, e.g. "
@@ -318,21 +310,13 @@ def create_app(
 
     def require_write_access(request: Request) -> None:
         """Token when required; otherwise only loopback Host/Origin may change state."""
-        if settings.auth_required:
-            sent = request.headers.get("x-dashboard-token", "")
-            auth = request.headers.get("authorization", "")
-            if auth.lower().startswith("bearer "):
-                sent = sent or auth[7:].strip()
-            if not sent or not hmac.compare_digest(sent.encode(), settings.token.encode()):
-                raise HTTPException(401, "this dashboard is reachable from other machines: "
-                                         "send DASHBOARD_TOKEN as 'Authorization: Bearer TOKEN' "
-                                         "or 'X-Dashboard-Token'")
-            return
-        host = urlsplit("//" + request.headers.get("host", "")).hostname or ""
-        origin = request.headers.get("origin")
-        origin_host = urlsplit(origin).hostname if origin and origin != "null" else None
-        if not is_loopback(host) or (origin is not None and not (
-                origin_host and is_loopback(origin_host))):
+        denial = access.write_denial(request.headers, token=settings.token,
+                                     required=settings.auth_required, token_header="x-dashboard-token")
+        if denial == access.NEEDS_TOKEN:
+            raise HTTPException(401, "this dashboard is reachable from other machines: "
+                                     "send DASHBOARD_TOKEN as 'Authorization: Bearer TOKEN' "
+                                     "or 'X-Dashboard-Token'")
+        if denial == access.NOT_LOCAL:
             raise HTTPException(403, "state-changing requests must come from this machine "
                                      "(http://127.0.0.1 or http://localhost); set DASHBOARD_TOKEN "
                                      "to allow others")
@@ -364,6 +348,23 @@ def create_app(
             "active_run": runs.active,
             "poll_interval": settings.poll_interval,
         }
+
+    @app.get("/api/router")
+    async def router() -> dict[str, Any]:
+        """The router's /v1/health (resident model, every model's state, queue, recent swaps),
+        or {"running": false} when no router answers."""
+        headers = ({"Authorization": f"Bearer {settings.router_token}"}
+                   if settings.router_token else {})
+        try:
+            client = await engine_client()
+            response = await client.get(settings.router_url.rstrip("/") + "/v1/health",
+                                        headers=headers, timeout=1.0)
+            data = response.json()
+        except (httpx.HTTPError, ValueError):
+            return {"running": False, "url": settings.router_url}
+        if not isinstance(data, dict) or "loaded" not in data:
+            return {"running": False, "url": settings.router_url}
+        return {"running": True, "url": settings.router_url, **_json_safe(data)}
 
     @app.get("/api/metrics")
     async def metrics() -> Any:

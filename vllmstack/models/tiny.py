@@ -38,6 +38,12 @@ SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>")
 MARKER_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>",
                  "</tool_response>")
 INIT_STD = 0.02  # the usual initializer range: logits stay small, so no NaN and no runaway token
+# What the made model records about itself, beside its files: llama.cpp's name for its
+# pre-tokenizer. The corpus BPE splits like GPT-2 (ByteLevel with GPT-2's regex: "gpt-2" in the
+# pinned llama.cpp's src/llama-vocab.cpp), but llama.cpp's converter knows pre-tokenizers only by
+# the hash of a test string's tokens and refuses this one; `invoke gguf-convert` reads the record.
+MODEL_RECORD = "vllmstack-model.json"
+GGUF_PRE_TOKENIZER = "gpt-2"
 
 
 class ModelMakerError(StackError):
@@ -242,6 +248,8 @@ def write_model_files(folder: Path, geometry: Geometry, *, seed: int = 0) -> tup
             "pad_token": "<|endoftext|>", "bos_token": None, "unk_token": None,
             "model_max_length": geometry.max_position, "clean_up_tokenization_spaces": False,
             "chat_template": CHAT_TEMPLATE},
+        MODEL_RECORD: {"made_by": "invoke make-model", "repo": geometry.repo,
+                       "gguf_pre_tokenizer": GGUF_PRE_TOKENIZER},
     }
     for name, data in files.items():
         (folder / name).write_text(json.dumps(data, indent=1) + "\n")

@@ -20,6 +20,7 @@ from typing import Any, TextIO
 import yaml
 from dotenv import dotenv_values
 
+from vllmstack.config.engine import LLAMACPP, engine_image, engine_of
 from vllmstack.config.profiles import Resolved
 from vllmstack.config.vllm_args import ServeCommand
 from vllmstack.core.errors import StackError
@@ -29,6 +30,7 @@ from vllmstack.image import build
 from vllmstack.runtime import compose_files, dashboard_image, engine_env, flavours
 from vllmstack.runtime.base import MISSING, EngineState
 from vllmstack.runtime.compose_files import DASHBOARD_SERVICE, ENGINE_SERVICE, PACKAGE_LABEL
+from vllmstack.runtime.engine_image import llamacpp_image_problem, missing_image_fix
 
 # Builds AITER's JIT core and the unified-attention kernels once, in a throwaway container, so
 # the tensor-parallel workers do not race to build them at boot (ModuleNotFoundError, or a
@@ -192,7 +194,7 @@ class ComposeEngine:
         if result.ok and self._did_not_start(self.service):
             result = Result(result.argv, 1, result.stdout, result.stderr)
         if not result.ok:
-            image = self.resolved.get_str("VLLM_IMAGE") if self.resolved else "the engine image"
+            image = engine_image(self.resolved) if self.resolved else "the engine image"
             raise ComposeError(
                 f"compose could not start the engine:\n{result.stderr.strip()[-1500:]}",
                 f"check that the image {image} exists (`invoke build` makes the full-build image) "
@@ -284,23 +286,28 @@ class ComposeEngine:
     def prepare(self, command: ServeCommand, *, dry_run: bool) -> list[str]:
         """Image, cache folders and the rendered files; returns notes on what was left out."""
         project, resolved = self._stack()
-        image = resolved.get_str("VLLM_IMAGE")
+        image = engine_image(resolved)
+        llamacpp = engine_of(resolved) == LLAMACPP
         if not dry_run and not self.image_exists(image):
-            hint = ("build it with `invoke build` (a from-source ROCm build: hours)"
-                    if image.startswith("localhost/vllm-fullbuild") else
-                    f"pull it ({self.cli.engine} pull {image}) or set VLLM_IMAGE")
-            raise ComposeError(f"the engine image {image} does not exist on this host", hint)
+            raise ComposeError(f"the engine image {image} does not exist on this host",
+                               missing_image_fix(resolved, image, self.cli.engine))
         labels = build.read_image_labels(self.runner, self.cli.engine, image)
-        for finding in build.image_label_findings(project, resolved, labels):
-            if finding.severity != "info":
-                print(finding.render(), file=self.out)
+        if llamacpp:
+            problem = llamacpp_image_problem(resolved, labels or {})
+            if problem is not None and not dry_run:
+                raise ComposeError(*problem)
+        else:
+            for finding in build.image_label_findings(project, resolved, labels):
+                if finding.severity != "info":
+                    print(finding.render(), file=self.out)
         ids = engine_env.detect_host_ids(resolved)
         paths = engine_env.stack_paths(resolved, self.environ)
         for line in engine_env.ensure_cache_dirs(paths, ids, dry_run=dry_run):
             print(("(dry run) " if dry_run else "") + line, file=self.out)
         override, notes = compose_files.build_override(
             project, resolved, command, runtime=self.cli.runtime, ids=ids, paths=paths,
-            package_dir=(labels or {}).get(PACKAGE_LABEL), host=flavours.probe_host())
+            package_dir=None if llamacpp else (labels or {}).get(PACKAGE_LABEL),
+            host=flavours.probe_host())
         env = compose_files.interpolation_env(resolved, ids, paths)
         rendered = compose_files.write_rendered(project, resolved, command, override, env, notes)
         for note in notes:

@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from vllmstack.config.engine import LLAMACPP, engine_image, engine_of
 from vllmstack.config.profiles import Resolved
 from vllmstack.config.schema import Schema, load_schema
 from vllmstack.config.vllm_args import ServeCommand
@@ -65,9 +66,11 @@ def build_override(
     flavour = flavours.FLAVOURS.get(runtime, flavours.COMPOSE_V2)
     host_keys = flavours.host_keys(flavour, host or flavours.Host())
     notes: list[str] = []
-    # The images' entrypoint is `vllm serve`; the command is everything after it.
+    # vLLM images' entrypoint is `vllm serve`, the llama.cpp image's `llama-server`: the command
+    # is everything after it.
+    skip = 1 if engine_of(resolved) == LLAMACPP else 2
     service: dict[str, Any] = {
-        "command": [_escape(a) for a in command.argv[2:]],
+        "command": [_escape(a) for a in command.argv[skip:]],
         "environment": {k: _escape(v) for k, v in engine_environment(resolved, schema).items()},
         "labels": {
             "vllmstack.profile": resolved.profile,
@@ -145,7 +148,7 @@ def interpolation_env(resolved: Resolved, ids: HostIds, paths: StackPaths) -> di
     """Variables compose.yaml interpolates. Prefixed so that no .env can satisfy them: a bare
     `docker compose up` must fail and say to use invoke."""
     return {
-        "VLLMSTACK_VLLM_IMAGE": resolved.get("VLLM_IMAGE") or "",
+        "VLLMSTACK_VLLM_IMAGE": engine_image(resolved),
         "VLLMSTACK_DASHBOARD_IMAGE": resolved.get("DASHBOARD_IMAGE") or "",
         "VLLMSTACK_USER_UID": str(ids.uid),
         "VLLMSTACK_USER_GID": str(ids.gid),

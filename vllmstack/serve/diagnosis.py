@@ -7,7 +7,8 @@ When no signature matches, the last exception line (`SomethingError: text`) that
 or Worker process raised above the generic line is the cause, quoted as it was logged.
 Fixes that differ by GPU vendor say so (`Signature.by_vendor`): an NVIDIA box never gets an
 AMD-only hint. Texts come from vLLM's source and captured logs (shared/reference/vllm-captures,
-shared/gpu/runs-*, vllm-facts §9).
+shared/gpu/runs-*, vllm-facts §9), and for llama-server (ENGINE=llamacpp) from the pinned
+llama.cpp b9993's source and its real logs (tests/data/llamacpp/); LLAMACPP_SIGNATURES come first.
 """
 
 from __future__ import annotations
@@ -93,8 +94,80 @@ def _sig(code: str, pattern: str, cause: str, fix: str, *, context: str | None =
                      re.compile(context) if context else None)
 
 
+# llama-server's failures (llama.cpp b9993). Each pattern is the format string the pinned source
+# prints (file named), so texts that need a GPU to happen are matched as the source writes them.
+LLAMACPP_OOM = (r"cudaMalloc failed: |ggml_vulkan: Device memory allocation of size|insufficient memory|"
+                r"unable to allocate \S+ buffer|failed to allocate \S+ buffer of size|"
+                r"failed to allocate buffer of size|failed to allocate buffer for kv cache|"
+                r"failed to allocate compute (?:pp|tg) buffers|ErrorOutOfDeviceMemory")
+LLAMACPP_SIGNATURES: tuple[Signature, ...] = (
+    # ggml/src/gguf.cpp gguf_init_from_file: "failed to open GGUF file '%s' (%s)" (strerror).
+    _sig("llamacpp-model-missing",
+         r"failed to open GGUF file '(?P<path>[^']+)' \((?P<why>No such file or directory|Not a "
+         r"directory)\)",
+         "llama-server found no GGUF file at {path}",
+         "check LLAMACPP_MODEL and MODELS_DIR (`invoke check` shows the path it resolves to), or "
+         "make the file from a Hugging Face folder: invoke gguf-convert MODEL_DIR"),
+    _sig("llamacpp-model-unreadable",
+         r"failed to open GGUF file '(?P<path>[^']+)' \((?P<why>[^)]+)\)",
+         "llama-server cannot read the GGUF file {path}: {why}",
+         "make the file readable by the user the engine runs as (chmod a+r; a container sees only "
+         "MODELS_DIR), or point LLAMACPP_MODEL at a readable copy"),
+    # gguf.cpp (logged as gguf_init_from_reader in b9993): a file that is not GGUF (another
+    # format, an HTML error page), a folder, or one cut short.
+    _sig("llamacpp-not-gguf",
+         r"gguf_init_from_\w+: (?P<why>invalid magic characters: .*|failed to read magic|"
+         r"failed to read header|failed to read key-value pairs|failed to read tensor info|"
+         r"bad GGUF version: \d+)",
+         "the model file is not a GGUF file llama.cpp can read ({why})",
+         "download the .gguf again (a partial or failed download is not GGUF), or convert the model: "
+         "invoke gguf-convert MODEL_DIR"),
+    # src/llama-model.cpp llama_model_create.
+    _sig("llamacpp-unknown-arch", r"unknown model architecture: '(?P<arch>[^']*)'",
+         "this llama.cpp does not know the model's architecture '{arch}'",
+         "use a GGUF of an architecture the pinned llama.cpp supports (`invoke check` lists the "
+         "file's), or build a newer llama.cpp: raise LLAMACPP_REF, then "
+         "invoke install-engine --engine llamacpp"),
+    # common/fit.cpp: --fit gives up when the user fixed --n-gpu-layers; only a failure when an
+    # allocation failed too (else the server just runs without fitting).
+    _sig("llamacpp-gpu-layers-do-not-fit",
+         r"failed to fit params to free device memory: n_gpu_layers already set by user to "
+         r"(?P<ngl>-?\d+)",
+         "--n-gpu-layers {ngl} (LLAMACPP_GPU_LAYERS; -2 means all) puts more of the model on the GPU "
+         "than its free memory holds",
+         "set LLAMACPP_GPU_LAYERS=auto (llama-server then fits the layers to free memory) or a lower "
+         "number, lower LLAMACPP_CTX, or use q8_0 KV (LLAMACPP_CACHE_TYPE_K/_V); stop other GPU users",
+         context=LLAMACPP_OOM),
+    # ggml/src/ggml-cuda/ggml-cuda.cu (HIP builds print the same, cudaGetErrorString mapped to
+    # hipGetErrorString), ggml-vulkan.cpp, ggml.c (ggml_aligned_malloc, the CPU's), ggml-alloc.c,
+    # src/llama-model.cpp, llama-kv-cache.cpp, llama-context.cpp. Only the CPU's texts are in a
+    # real log here (tests/data/llamacpp/fail-cpu-oom.log); the GPU ones are the source's format
+    # strings, as a CPU build cannot print them.
+    _sig("llamacpp-out-of-memory",
+         r"(?P<what>allocating [\d.]+ MiB on device \d+: cudaMalloc failed: .*|insufficient memory "
+         r"\(attempted to allocate\s*[\d.]+ MB\)|ggml_vulkan: Device "
+         r"memory allocation of size \d+ failed|unable to allocate \S+ buffer|failed to allocate "
+         r"\S+ buffer of size \d+|failed to allocate buffer of size \d+|failed to allocate buffer "
+         r"for kv cache|failed to allocate compute (?:pp|tg) buffers)",
+         "llama-server ran out of memory ({what})",
+         "lower LLAMACPP_GPU_LAYERS (auto fits the layers to free memory), LLAMACPP_CTX or "
+         "LLAMACPP_PARALLEL's KV, use q8_0 KV (LLAMACPP_CACHE_TYPE_K/_V), or stop other GPU users",
+         none="lower LLAMACPP_CTX, use q8_0 KV (LLAMACPP_CACHE_TYPE_K/_V) or a smaller quant: on the "
+              "CPU the weights and the KV cache share the system memory"),
+    # tools/server/server-http.cpp.
+    _sig("llamacpp-port-in-use",
+         r"couldn't bind HTTP server socket, hostname: (?P<host>\S+), port: (?P<port>\d+)",
+         "llama-server could not listen on {host}:{port} (another process has the port)",
+         "stop whatever listens on port {port} (`invoke status`), or change VLLM_PORT"),
+    # src/llama.cpp llama_model_load: every other load failure, with llama.cpp's own reason.
+    _sig("llamacpp-load-failed", r"llama_model_load: error loading model: (?P<why>.+)",
+         "llama-server could not load the model: {why}",
+         "read the lines above in `invoke logs`; check the GGUF with `invoke check`"),
+)
+
 # Most specific first: the first signature that matches any line wins.
 SIGNATURES: tuple[Signature, ...] = (
+    *LLAMACPP_SIGNATURES,
     _sig("kv-too-small-for-max-len",
          r"To serve at least one request with the model's max seq len \((?P<len>\d+)\).*estimated "
          r"maximum model length is (?P<fit>\d+)",

@@ -11,6 +11,7 @@ from typing import TextIO
 
 from vllmstack.checks.host import FAIL, HostView, fast_checks
 from vllmstack.config.profiles import Resolved
+from vllmstack.core.runner import Runner
 from vllmstack.observe.health import identify_server, port_answers
 from vllmstack.runtime.gpu import GIB, AmdSysfsProbe, GpuMemory, GpuProbe, NvidiaSmiProbe, total_used
 from vllmstack.serve.stack import LifecycleError
@@ -42,6 +43,7 @@ def check_guards(
     identify: Callable[[str], str] = identify_server,
     host: HostView | None = None,
     runtime: str | None = None,
+    runner: Runner | None = None,
 ) -> list[Guard]:
     """Everything that must hold before starting: devices, the host's fast checks, no other
     engine, enough free memory. `host` defaults to what the probe reads (its sysfs root, or its
@@ -60,6 +62,13 @@ def check_guards(
                             "not expose one", fix, overridable=False))
         return guards
     guards += host_guards(resolved, probe, host=host, runtime=runtime)
+    if runner is not None:
+        guards += [Guard("other-engine-service",
+                         f"the system service {unit} is active: it runs another engine, which holds "
+                         "GPU memory (two resident engines overcommit the card)",
+                         f"invoke up --stop-other (runs `systemctl stop {unit}` first), or "
+                         f"sudo systemctl stop {unit}")
+                   for unit in active_services(resolved, runner)]
     ports = [int(p) for p in resolved.get_list("OTHER_ENGINE_PORTS") if p.isdigit()]
     own_port = resolved.get_int("VLLM_PORT")
     if not own_engine_running:
@@ -71,8 +80,10 @@ def check_guards(
             guards.append(Guard(
                 "other-engine", f"port {port}{clash} is taken by {who}: another engine may hold "
                 "the GPU, and two resident engines overcommit memory",
-                f"stop it first (e.g. systemctl stop the router / llama-server), or remove {port} from "
-                "OTHER_ENGINE_PORTS if it is not an engine"))
+                ("`invoke down` (this stack's own engine), or `invoke up --stop-other`"
+                 if clash else "stop it first (its systemd unit: add it to OTHER_ENGINE_SERVICE and "
+                 "`invoke up --stop-other` stops it for you)") +
+                f", or remove {port} from OTHER_ENGINE_PORTS if it is not an engine"))
     memory = probe.memory()
     tp = resolved.get_int("VLLM_TP")
     if memory and vendor != "none":
@@ -87,6 +98,41 @@ def check_guards(
                     "something else)",
                     "stop the other GPU user, or lower VLLM_GPU_MEM_UTIL (--set VLLM_GPU_MEM_UTIL=...)"))
     return guards
+
+
+def active_services(resolved: Resolved, runner: Runner) -> list[str]:
+    """The OTHER_ENGINE_SERVICE units that systemd reports active (none without systemctl: the
+    runner answers 127, and `is-active` prints `active` for nothing else)."""
+    active = []
+    for unit in resolved.get_list("OTHER_ENGINE_SERVICE"):
+        result = runner.run(["systemctl", "is-active", unit], mutates=False)
+        if result.stdout.strip() == "active":
+            active.append(unit)
+    return active
+
+
+def stop_services(units: list[str], runner: Runner, out: TextIO) -> None:
+    """`--stop-other`: stop the other engine's services; a refusal (no permission) says how."""
+    for unit in units:
+        print(f"--stop-other: stopping the system service {unit} (another engine)", file=out)
+        result = runner.run(["systemctl", "stop", unit])
+        if not result.ok:
+            raise LifecycleError(
+                f"`systemctl stop {unit}` failed: {(result.stderr or result.stdout).strip()[-300:]}",
+                f"sudo systemctl stop {unit} (or allow this user to stop it), then invoke up again")
+
+
+def wait_gpu_settled(probe: GpuProbe, timeout: float, sleep: Callable[[float], None] = time.sleep,
+                     clock: Callable[[], float] = time.monotonic) -> int | None:
+    """After stopping another engine: wait until used GPU memory stops falling (its teardown is
+    over), at most `timeout` s. Returns the bytes in use then (None: no GPU to read)."""
+    start, last, steady = clock(), total_used(probe.memory()), 0
+    while last is not None and last > RELEASE_SLACK and clock() - start < timeout and steady < 5:
+        sleep(1.0)
+        now = total_used(probe.memory())
+        steady = steady + 1 if now is not None and now >= last else 0
+        last = now
+    return last
 
 
 def host_guards(resolved: Resolved, probe: GpuProbe, *, host: HostView | None = None,

@@ -16,6 +16,7 @@ from typing import Any
 import requests
 
 from vllmstack.checks.registry import run_checks
+from vllmstack.config.engine import LLAMACPP, VLLM, display_name, engine_of
 from vllmstack.config.profiles import Resolved
 from vllmstack.config.vllm_args import ServeCommand
 from vllmstack.core.errors import StackError
@@ -26,7 +27,15 @@ from vllmstack.observe import metrics
 from vllmstack.observe.health import health_status, identify_server
 from vllmstack.runtime import engine_env
 from vllmstack.runtime.gpu import GIB, total_used
-from vllmstack.serve.guards import Guard, check_guards, print_guards, wait_gpu_release
+from vllmstack.serve.guards import (
+    Guard,
+    active_services,
+    check_guards,
+    print_guards,
+    stop_services,
+    wait_gpu_release,
+    wait_gpu_settled,
+)
 from vllmstack.serve.stack import LifecycleError, Stack, open_stack
 from vllmstack.serve.state import STATE_FILE, read_state, write_state
 from vllmstack.serve.watch import Progress, wait_until_healthy, warm_up
@@ -34,6 +43,10 @@ from vllmstack.serve.watch import Progress, wait_until_healthy, warm_up
 # The serving layer's commands, one per task (open_stack picks the runtime for all of them).
 __all__ = ["LifecycleError", "UpResult", "clear_caches", "dashboard_down", "dashboard_up", "down",
            "exec_in_engine", "logs", "open_stack", "render_status", "status", "up"]
+
+
+# How long `--stop-other` waits for the stopped engine's GPU memory to drain.
+DRAIN_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -61,16 +74,40 @@ def preflight(project: Project, resolved: Resolved, environ: Mapping[str, str],
 
 
 def up(stack: Stack, *, timeout: float | None = None, force: bool = False, dashboard: bool = True,
-       dry_run: bool = False) -> UpResult:
+       dry_run: bool = False, stop_other: bool = False) -> UpResult:
     """Guards, render, start, wait for /health (diagnosing a death at once), warm up, dashboard.
 
+    One engine resident: while another engine (this stack's, of another profile or engine; a
+    system service in OTHER_ENGINE_SERVICE; a server on OTHER_ENGINE_PORTS) holds the GPU, `up`
+    refuses and names it; `stop_other` stops the stack's own and the services first.
     Under the stack lock: a second `up` (or a `down`) waits for this one or refuses, naming it."""
     with stack.lock("up", dry_run=dry_run):
-        return _up(stack, timeout=timeout, force=force, dashboard=dashboard, dry_run=dry_run)
+        return _up(stack, timeout=timeout, force=force, dashboard=dashboard, dry_run=dry_run,
+                   stop_other=stop_other)
+
+
+def _stop_others(stack: Stack, previous: Mapping[str, Any], *, own: bool, dry_run: bool) -> bool:
+    """`--stop-other`: end the stack's running engine (`own`: it runs another command) and the
+    other engines' system services, then wait for their GPU memory to drain. Returns whether the
+    stack's own engine was stopped."""
+    stopped_own = False
+    if own:
+        print(f"--stop-other: stopping this stack's engine (profile {previous.get('profile', '?')}, "
+              f"{display_name(str(previous.get('engine') or VLLM))}) first", file=stack.out)
+        _down(stack, timeout=DRAIN_TIMEOUT_S, dry_run=dry_run)
+        stopped_own = True
+    units = active_services(stack.resolved, stack.runner)
+    stop_services(units, stack.runner, stack.out)
+    if units and not dry_run:
+        used = wait_gpu_settled(stack.probe, DRAIN_TIMEOUT_S)
+        if used is not None:
+            print(f"GPU memory in use after stopping {', '.join(units)}: {used / GIB:.1f} GiB",
+                  file=stack.out)
+    return stopped_own
 
 
 def _up(stack: Stack, *, timeout: float | None, force: bool, dashboard: bool,
-        dry_run: bool) -> UpResult:
+        dry_run: bool, stop_other: bool) -> UpResult:
     out = stack.out
     resolved = stack.resolved
     command, findings = preflight(stack.project, resolved, stack.environ, stack.engine.name,
@@ -80,7 +117,11 @@ def _up(stack: Stack, *, timeout: float | None, force: bool, dashboard: bool,
             print(finding.render(), file=out)
     current = stack.engine.state()
     previous = read_state(stack.project) or {}
-    if current.running and previous.get("argv") == command.argv and health_status(stack.url) == 200:
+    same = previous.get("argv") == command.argv
+    if stop_other and _stop_others(stack, previous, own=current.running and not same,
+                                   dry_run=dry_run):
+        current, previous = stack.engine.state(), {}
+    if current.running and same and health_status(stack.url) == 200:
         print(f"already up and healthy: {stack.served_name} at {stack.url} (same command); "
               "nothing to do for the engine", file=out)
         notes = ["already running"]
@@ -88,13 +129,15 @@ def _up(stack: Stack, *, timeout: float | None, force: bool, dashboard: bool,
             # Idempotent for real: a dashboard that failed to start last time starts now.
             start_dashboard(stack, notes)
         return UpResult(stack.url, stack.served_name, 0.0, None, notes)
-    guards = check_guards(resolved, stack.probe, own_engine_running=current.running)
+    guards = check_guards(resolved, stack.probe, own_engine_running=current.running,
+                          runtime=stack.engine.flavour, runner=stack.runner)
     if current.running:
+        running = display_name(str(previous.get("engine") or VLLM))
         guards.insert(0, Guard(
             "already-running",
-            f"the stack already runs profile {previous.get('profile', '?')} "
-            f"({previous.get('platform', '?')}) with another command",
-            "run `invoke down` first"))
+            f"the stack already runs {running} with profile {previous.get('profile', '?')} "
+            f"({previous.get('platform', '?')}) and another command: one engine is resident at a time",
+            "`invoke down` first, or `invoke up --stop-other` to stop it and start this one"))
     print_guards(guards, force, out)
     notes = stack.engine.prepare(command, dry_run=dry_run)
     if dry_run:
@@ -106,6 +149,7 @@ def _up(stack: Stack, *, timeout: float | None, force: bool, dashboard: bool,
     stack.engine.start()  # a runtime's StackError carries its own cause and fix
     write_state(stack.project, {
         "runtime": stack.engine.name, "flavour": stack.engine.flavour,
+        "engine": engine_of(resolved),
         "compose_project": stack.compose_project,
         "profile": resolved.profile, "platform": resolved.platform,
         "argv": command.argv, "url": stack.url, "served_name": stack.served_name,
@@ -117,7 +161,8 @@ def _up(stack: Stack, *, timeout: float | None, force: bool, dashboard: bool,
     try:
         boot = wait_until_healthy(stack.engine, stack.url, limit, Progress(out, out.isatty()),
                                   vendor=resolved.get_str("GPU_VENDOR"),
-                                  secrets=resolved.secrets())
+                                  secrets=resolved.secrets(),
+                                  loading_503=engine_of(resolved) == LLAMACPP)
     except LifecycleError:
         # Keep the container (its log is the evidence) but stop a crash loop from burning GPU time.
         stack.engine.stop()

@@ -144,11 +144,14 @@ def wait_until_healthy(
     sleep: Callable[[float], None] = time.sleep,
     vendor: str | None = None,
     secrets: Sequence[str] = (),
+    loading_503: bool = False,
 ) -> float:
     """Return seconds until /health said 200. Raise LifecycleError with a diagnosis otherwise.
 
     `vendor` (GPU_VENDOR) picks the diagnosis' vendor-specific fixes. Every log line shown is
     masked with `secrets` (vLLM logs its non-default args, an --api-key among them).
+    `loading_503`: the engine answers 503 while it loads (llama-server does); vLLM answers only
+    once loaded, so there a 503 means its engine core died.
 
     Never waits blindly: every poll looks at the engine's state first, so an exit or a restart
     is caught within one poll interval, not at the timeout.
@@ -167,7 +170,7 @@ def wait_until_healthy(
             status = health(url)
             if status == 200:
                 return elapsed
-            if status == 503:
+            if status == 503 and not loading_503:
                 raise _engine_died(engine, state, elapsed, health_503=True, vendor=vendor,
                                    secrets=secrets)
             progress.show(elapsed, phase_of(lines, progress.phase or "starting"), lines)

@@ -237,6 +237,33 @@ async function pollMetrics() {
   schedulePoll(state.pollDelay);
 }
 
+// `invoke router`: its resident model, queue and the recent swaps (hidden while none answers).
+async function pollRouter() {
+  try {
+    const r = await (await api("api/router")).json();
+    $("card-router").hidden = !r.running;
+    if (r.running) {
+      setText("router-loaded", r.loaded || "nothing resident");
+      setText("router-state", r.state || "");
+      setText("router-queue", `${r.queue ?? 0} / ${r.inflight ?? 0}`);
+      const models = Object.entries(r.models || {}).map(([id, m]) => `${id}: ${m.state}`);
+      setText("router-models", models.join(", ") || "–");
+      const body = $("router-swaps");
+      body.replaceChildren(...(r.swaps || []).slice(-5).reverse().map((s) => {
+        const row = document.createElement("tr");
+        for (const cell of [`${s.unloaded || "–"} → ${s.loaded}`, (s.stop_s ?? 0).toFixed(1),
+                            (s.start_s ?? 0).toFixed(1), s.ok ? "yes" : (s.error || "no")]) {
+          const td = document.createElement("td");
+          td.textContent = cell;
+          row.appendChild(td);
+        }
+        return row;
+      }));
+    }
+  } catch (_) { $("card-router").hidden = true; }
+  setTimeout(pollRouter, 5000);
+}
+
 document.addEventListener("visibilitychange", async () => {
   if (document.hidden) { clearTimeout(state.pollTimer); state.pollTimer = null; return; }
   await loadRing();  // the server kept polling while the tab was hidden
@@ -541,6 +568,7 @@ async function main() {
   await loadRing();
   pollMetrics();
   pollRuns();
+  pollRouter();
   refreshAllHistory();
 }
 

@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vllmstack.config.engine import LLAMACPP, engine_of, llamacpp_backend
+from vllmstack.config.llamacpp_args import build_llamacpp_argv
 from vllmstack.config.profiles import Resolved
 from vllmstack.config.schema import load_schema
 from vllmstack.config.vllm_args import ArgvError, build_serve_argv
@@ -15,7 +17,7 @@ from vllmstack.core.paths import Project
 from vllmstack.core.runner import format_command
 from vllmstack.image import patches
 from vllmstack.runtime.engine_env import FP8_CONFIG_DIR, engine_environment, stack_paths
-from vllmstack.runtime.native import install
+from vllmstack.runtime.native import install, llamacpp_build
 from vllmstack.runtime.native.procs import NativeError
 
 
@@ -27,6 +29,11 @@ class NativeCommand:
     venv: Path | None  # the install-engine environment, when that is what runs
     cache_dirs: list[Path] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # Why this command cannot run although its executable may exist (cause, fix): a llama-server
+    # built for another backend than the platform's. Raised where a missing executable is.
+    problem: tuple[str, str] | None = None
+    # The fix when the executable is missing and the stack installs it (llama.cpp's build).
+    install_fix: str | None = None
 
     def shell(self) -> str:
         """The command as a shell line, tokens masked (it is printed by --dry-run)."""
@@ -36,6 +43,8 @@ class NativeCommand:
 def native_serve_command(project: Project, resolved: Resolved,
                          environ: Mapping[str, str]) -> NativeCommand:
     """The argv and environment of the native engine: the container's, with host paths."""
+    if engine_of(resolved) == LLAMACPP:
+        return native_llamacpp_command(project, resolved, environ)
     version = install.engine_version(resolved)
     try:
         # The container binds 0.0.0.0 and publishes VLLM_BIND; a host process binds it itself.
@@ -78,6 +87,36 @@ def native_serve_command(project: Project, resolved: Resolved,
     env.update(engine_environment(resolved, load_schema()))
     notes = _unapplied_files(project, resolved, FP8_CONFIG_DIR)
     return NativeCommand([*prefix, *serve.argv[1:]], env, version, venv, cache_dirs, notes)
+
+
+def native_llamacpp_command(project: Project, resolved: Resolved,
+                            environ: Mapping[str, str]) -> NativeCommand:
+    """llama-server from `invoke install-engine --engine llamacpp` (built for the platform's backend), or
+    LLAMACPP_SERVER; the same argv the container gets, with the host's bind address."""
+    ref, backend = resolved.get_str("LLAMACPP_REF"), llamacpp_backend(resolved)
+    try:
+        prefix = shlex.split(resolved.get_str("LLAMACPP_SERVER"))
+    except ValueError as exc:
+        raise NativeError(f"LLAMACPP_SERVER is not valid shell words ({exc}) at "
+                          f"{resolved.source('LLAMACPP_SERVER')}", "fix its quoting") from exc
+    paths = stack_paths(resolved, environ)
+    problem: tuple[str, str] | None = None
+    install_fix: str | None = None
+    if not prefix:
+        folder = llamacpp_build.build_dir(project, ref, backend)
+        prefix = [str(folder / "bin" / "llama-server")]
+        install_fix = f"invoke install-engine --engine llamacpp --backend {backend}"
+        problem = llamacpp_build.backend_problem(project, ref, backend)
+    try:
+        serve = build_llamacpp_argv(resolved, host=resolved.get_str("VLLM_BIND"),
+                                    models_dir=paths.models_dir)
+    except ArgvError as exc:
+        raise NativeError(str(exc), "fix the value named above (`invoke check` shows them all)") from exc
+    cache = paths.engine_cache / "native" / f"llamacpp-{ref}-{backend}"
+    env = {"HF_HOME": str(paths.hf_cache), "LLAMA_CACHE": str(cache)}
+    env.update(engine_environment(resolved, load_schema()))
+    return NativeCommand([*prefix, *serve.argv[1:]], env, f"llamacpp-{ref}-{backend}", None,
+                         [cache], problem=problem, install_fix=install_fix)
 
 
 def _unapplied_files(project: Project, resolved: Resolved, fp8_dir: str) -> list[str]:

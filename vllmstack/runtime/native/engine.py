@@ -256,9 +256,19 @@ class NativeEngine:
 
     def members(self) -> list[dict[str, Any]]:
         record = self.read_record()
-        if record is None:
-            return [m for r in self.unrecorded() for m in self._members(r, unrecorded=True)]
-        return self._members(record)
+        engine = ([m for r in self.unrecorded() for m in self._members(r, unrecorded=True)]
+                  if record is None else self._members(record))
+        return engine + self._dashboard_member()
+
+    def _dashboard_member(self) -> list[dict[str, Any]]:
+        """The dashboard side-car, as compose lists its container: `down` ends it too."""
+        dashboard = self.dashboard().running()
+        if dashboard is None:
+            return []
+        age = human_age(time.time() - dashboard.started)
+        return [{"name": f"dashboard (pid {dashboard.pid})", "service": "dashboard",
+                 "state": "running", "status": f"Up {age}, dashboard", "pid": dashboard.pid,
+                 "image": dashboard.argv[0] if dashboard.argv else ""}]
 
     def _members(self, record: EngineRecord, *, unrecorded: bool = False) -> list[dict[str, Any]]:
         leader = self.table.is_alive(record)
@@ -295,6 +305,8 @@ class NativeEngine:
 
     def _check_executable(self, command: NativeCommand) -> None:
         exe = command.argv[0]
+        if command.problem is not None:
+            raise NativeError(*command.problem)
         search = command.env.get("PATH") or self.environ.get("PATH") or os.defpath
         if os.sep in exe:
             path = Path(exe) if Path(exe).is_absolute() else self.project.root / exe
@@ -303,6 +315,9 @@ class NativeEngine:
             found = shutil.which(exe, path=search) is not None
         if found:
             return
+        if command.install_fix is not None:
+            raise NativeError(f"{command.version} is not installed: {exe} does not exist",
+                              command.install_fix)
         if command.venv is not None:
             raise NativeError(
                 f"the native engine for vLLM {command.version} is not installed: {exe} does not exist",

@@ -1,0 +1,109 @@
+"""The one access rule the dashboard and the router share (core.access), and the router's state
+as the dashboard reads it (router.router_state)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import copy_project, free_port, write_dotenv
+
+from vllmstack.core import access
+from vllmstack.core.paths import Project
+from vllmstack.router import RouterError, router_state, run_router
+
+
+@pytest.mark.parametrize(("host", "token", "required", "refused"), [
+    ("127.0.0.1", "", False, False),
+    ("localhost", "", False, False),
+    ("::1", "", False, False),
+    ("127.0.0.1", "t", True, False),  # a token set is a token required
+    ("0.0.0.0", "t", True, False),
+    ("0.0.0.0", "", True, True),  # beyond loopback without a token: refused at start
+    ("192.168.1.5", "", True, True),
+])
+def test_when_a_token_is_required(host: str, token: str, required: bool, refused: bool) -> None:
+    assert access.token_required(host, token) is required
+    assert access.exposed_without_token(host, token) is refused
+
+
+def test_a_token_in_use_must_be_sent() -> None:
+    deny = access.write_denial
+    assert deny({}, token="t", required=True) == access.NEEDS_TOKEN
+    assert deny({"authorization": "Bearer x"}, token="t", required=True) == access.NEEDS_TOKEN
+    assert deny({"authorization": "Bearer t"}, token="t", required=True) is None
+    assert deny({"authorization": "bearer  t "}, token="t", required=True) is None
+    assert deny({"x-dashboard-token": "t"}, token="t", required=True,
+                token_header="x-dashboard-token") is None
+    assert deny({"x-dashboard-token": "t"}, token="t", required=True) == access.NEEDS_TOKEN
+
+
+def test_without_a_token_only_loopback_hosts_and_origins_may_change_state() -> None:
+    deny = access.write_denial
+    local = {"host": "127.0.0.1:8080"}
+    assert deny(local, token="", required=False) is None
+    assert deny({**local, "origin": "http://localhost:3000"}, token="", required=False) is None
+    assert deny({**local, "origin": "https://evil.example"}, token="", required=False) == access.NOT_LOCAL
+    assert deny({**local, "origin": "null"}, token="", required=False) == access.NOT_LOCAL
+    assert deny({"host": "rebound.example:8080"}, token="", required=False) == access.NOT_LOCAL
+
+
+def test_the_router_refuses_to_listen_beyond_loopback_without_a_token(tmp_path: Path) -> None:
+    root = copy_project(tmp_path / "stack")
+    write_dotenv(root, {"PLATFORM": "cpu"})
+    with pytest.raises(RouterError) as caught:
+        run_router(Project(root), {}, host="0.0.0.0", port=free_port(), profiles=["qwen3-0.6b"])
+    assert "reachable from other machines, without a token" in caught.value.cause
+    assert "ROUTER_TOKEN" in (caught.value.fix or "")
+    write_dotenv(root, {"PLATFORM": "cpu", "ROUTER_TOKEN": "from-dotenv"})
+    with socket.create_server(("0.0.0.0", 0)) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(RouterError) as caught:  # the token from .env passes: the port does not
+            run_router(Project(root), {}, host="0.0.0.0", port=port, profiles=["qwen3-0.6b"],
+                       out=io.StringIO())
+    assert caught.value.cause.startswith(f"cannot listen on 0.0.0.0:{port}: the port is taken")
+    assert caught.value.fix == "choose another --port"
+
+
+@pytest.fixture
+def health_server() -> Iterator[str]:
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            body = json.dumps({"status": "ok", "loaded": "a", "state": "ready", "queue": 2}).encode()
+            self.send_response(200 if self.path == "/v1/health" else 404)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_router_state_for_the_dashboard(tmp_path: Path, health_server: str) -> None:
+    project = Project(tmp_path)
+    assert router_state(project) is None  # no router here
+    (tmp_path / "generated").mkdir()
+    record = {"pid": os.getpid(), "url": health_server, "loaded": "a", "state": "loading",
+              "swaps": [{"unloaded": None, "loaded": "a", "stop_s": 0.0, "start_s": 1.5}]}
+    (tmp_path / "generated" / "router.json").write_text(json.dumps(record))
+    state = router_state(project)
+    assert state is not None and state["live"] is True
+    assert (state["state"], state["queue"], state["swaps"]) == ("ready", 2, record["swaps"])
+    (tmp_path / "generated" / "router.json").write_text(json.dumps({**record, "url": "http://127.0.0.1:1"}))
+    stale = router_state(project)
+    assert stale is not None and stale["live"] is False and stale["state"] == "loading"
+    (tmp_path / "generated" / "router.json").write_text(json.dumps({**record, "pid": 2 ** 22 + 1}))
+    assert router_state(project) is None  # its router is gone

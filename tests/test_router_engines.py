@@ -1,0 +1,242 @@
+"""The router's scheduling: one resident engine, loads on demand, swaps after in-flight requests,
+failures with their diagnosis, timeouts that never cancel a load, idle TTL, stop and adoption.
+A fake lifecycle stands in for `up`/`down` and fails the test if two engines ever run at once."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from vllmstack.config.profiles import Resolved, Setting
+from vllmstack.core.errors import StackError
+from vllmstack.router import engines
+from vllmstack.router.catalog import Catalog, Entry
+from vllmstack.router.engines import EngineManager, Loaded, LoadFailedError, RouterBusyError
+
+
+def entry(name: str, ttl: float = 0.0) -> Entry:
+    resolved = Resolved("cpu", name, {"VLLM_PORT": Setting("VLLM_PORT", "8180", "test")}, [])
+    return Entry(name, name, "vllm", resolved, ttl)
+
+
+def catalog(*entries: Entry) -> Catalog:
+    return Catalog("cpu", {e.id: e for e in entries}, {})
+
+
+class FakeLifecycle:
+    def __init__(self, load_s: float = 0.05, unload_s: float = 0.02, fail: tuple[str, ...] = ()
+                 ) -> None:
+        self.load_s, self.unload_s, self.fail = load_s, unload_s, fail
+        self.calls: list[tuple[str, str]] = []
+        self.running: str | None = None
+        self.adopt: Entry | None = None
+        self.aborted = threading.Event()
+        self.lock = threading.Lock()
+
+    def load(self, entry: Entry) -> Loaded:
+        with self.lock:
+            self.calls.append(("load", entry.id))
+            assert self.running is None, f"{entry.id} loaded while {self.running} runs"
+            self.running = entry.id
+        if self.aborted.wait(self.load_s) or entry.id in self.fail:
+            self.running = None
+            raise StackError(f"{entry.id} crashed at boot", "lower VLLM_GPU_MEM_UTIL")
+        return Loaded(f"http://127.0.0.1:1/{entry.id}", self.load_s, 0.0)
+
+    def unload(self, entry: Entry) -> None:
+        self.calls.append(("unload", entry.id))
+        time.sleep(self.unload_s)
+        assert self.running == entry.id
+        self.running = None
+
+    def abort(self, entry: Entry) -> None:
+        self.calls.append(("abort", entry.id))
+        self.aborted.set()
+
+    def adoptable(self, catalog: Catalog) -> Entry | None:
+        if self.adopt is not None:
+            self.running = self.adopt.id
+        return self.adopt
+
+
+def run(test: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(asyncio.wait_for(test(), 30))
+
+
+A, B = entry("a"), entry("b")
+
+
+def test_concurrent_requests_for_an_unloaded_model_share_one_load() -> None:
+    fake = FakeLifecycle(load_s=0.2)
+
+    async def go() -> None:
+        manager = EngineManager(catalog(A, B), fake)
+        urls = await asyncio.gather(*(manager.acquire(A, 5) for _ in range(5)))
+        assert urls == ["http://127.0.0.1:1/a"] * 5
+        assert fake.calls == [("load", "a")]
+        assert (manager.inflight, manager.status["a"].state, manager.resident) == (5, "ready", A)
+        for _ in range(5):
+            manager.release()
+        assert manager.inflight == 0
+        snap = manager.snapshot()
+        assert (snap["loaded"], snap["state"], snap["queue"]) == ("a", "ready", 0)
+        assert [s["loaded"] for s in snap["swaps"]] == ["a"]
+
+    run(go)
+
+
+def test_a_swap_unloads_first_and_waits_for_the_requests_in_flight() -> None:
+    fake = FakeLifecycle()
+
+    async def go() -> None:
+        manager = EngineManager(catalog(A, B), fake)
+        await manager.acquire(A, 5)  # a request streaming from a
+        swap = asyncio.create_task(manager.acquire(B, 5))
+        await asyncio.sleep(0.2)
+        assert fake.calls == [("load", "a")] and not swap.done()  # b waits for a's request
+        assert manager.snapshot()["queue"] == 1
+        fast = asyncio.create_task(manager.acquire(A, 5))  # no overtaking a queued swap
+        await asyncio.sleep(0.05)
+        assert not fast.done()
+        manager.release()
+        assert await swap == "http://127.0.0.1:1/b"
+        assert fake.calls == [("load", "a"), ("unload", "a"), ("load", "b")]
+        manager.release()
+        assert await fast == "http://127.0.0.1:1/a"  # and back, in order
+        last = manager.swaps[-1]
+        assert (last.unloaded, last.loaded, last.ok) == ("b", "a", True)
+        assert last.stop_s >= 0.02 and last.start_s >= 0.05
+
+    run(go)
+
+
+def test_a_failed_load_gives_every_waiter_the_diagnosis_and_the_next_request_retries() -> None:
+    fake = FakeLifecycle(load_s=0.1, fail=("b",))
+
+    async def go() -> None:
+        manager = EngineManager(catalog(A, B), fake)
+        results = await asyncio.gather(*(manager.acquire(B, 5) for _ in range(3)),
+                                       return_exceptions=True)
+        assert all(isinstance(r, LoadFailedError) for r in results)
+        error = results[0]
+        assert isinstance(error, LoadFailedError)
+        assert (error.cause, error.fix) == ("b crashed at boot", "lower VLLM_GPU_MEM_UTIL")
+        assert manager.status["b"].state == "failed"
+        assert manager.status["b"].error == {"cause": "b crashed at boot",
+                                             "fix": "lower VLLM_GPU_MEM_UTIL"}
+        assert fake.calls == [("load", "b")] and manager.resident is None
+        assert not manager.swaps[-1].ok and manager.swaps[-1].error == "b crashed at boot"
+        with pytest.raises(LoadFailedError):
+            await manager.acquire(B, 5)
+        assert fake.calls == [("load", "b")] * 2
+        assert await manager.acquire(A, 5) == "http://127.0.0.1:1/a"  # others still load
+
+    run(go)
+
+
+def test_a_request_that_gives_up_never_cancels_the_load() -> None:
+    fake = FakeLifecycle(load_s=0.4)
+
+    async def go() -> None:
+        manager = EngineManager(catalog(A, B), fake)
+        with pytest.raises(RouterBusyError) as caught:
+            await manager.acquire(A, 0.1)
+        assert "a was not ready within the load timeout" in caught.value.cause
+        assert manager.status["a"].state == "loading"
+        assert await manager.acquire(A, 5) == "http://127.0.0.1:1/a"
+        assert fake.calls == [("load", "a")]
+
+    run(go)
+
+
+def test_idle_ttl_unloads_only_when_no_request_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engines, "IDLE_POLL_S", 0.02)
+    fake = FakeLifecycle()
+    short, never = entry("short", ttl=0.2), entry("never")
+
+    async def go() -> None:
+        manager = EngineManager(catalog(short, never), fake)
+        idle = asyncio.create_task(manager.idle_loop())
+        await manager.acquire(short, 5)
+        await asyncio.sleep(0.5)  # a long request: the TTL waits for it
+        assert manager.status["short"].state == "ready"
+        manager.release()
+        await asyncio.sleep(0.5)
+        assert manager.status["short"].state == "unloaded" and manager.resident is None
+        assert fake.calls[-1] == ("unload", "short") and manager.swaps[-1].reason == "idle"
+        await manager.acquire(never, 5)
+        manager.release()
+        await asyncio.sleep(0.4)
+        assert manager.status["never"].state == "ready"  # TTL 0: never unloaded
+        idle.cancel()
+
+    run(go)
+
+
+def test_an_engine_gone_after_ready_is_unloaded_and_loaded_again() -> None:
+    fake = FakeLifecycle()
+
+    async def go() -> None:
+        manager = EngineManager(catalog(A, B), fake)
+        await manager.acquire(A, 5)
+        manager.release()
+        manager.engine_gone(A, "connection refused")
+        assert manager.status["a"].state == "failed"
+        assert "stopped answering" in (manager.status["a"].error or {})["cause"]
+        await manager.acquire(A, 5)
+        assert fake.calls == [("load", "a"), ("unload", "a"), ("load", "a")]
+        assert manager.status["a"].state == "ready"
+
+    run(go)
+
+
+def test_stop_cuts_a_load_short_then_unloads() -> None:
+    fake = FakeLifecycle(load_s=10)
+
+    async def go() -> None:
+        manager = EngineManager(catalog(A, B), fake)
+        waiting = asyncio.create_task(manager.acquire(A, 30))
+        await asyncio.sleep(0.1)
+        await manager.shutdown()
+        assert fake.calls == [("load", "a"), ("abort", "a")]
+        with pytest.raises(LoadFailedError):
+            await waiting
+        assert manager.resident is None and fake.running is None
+
+    run(go)
+
+
+def test_stop_unloads_the_resident_model() -> None:
+    fake = FakeLifecycle()
+
+    async def go() -> None:
+        manager = EngineManager(catalog(A, B), fake)
+        await manager.acquire(A, 5)
+        manager.release()
+        await manager.shutdown()
+        assert fake.calls == [("load", "a"), ("unload", "a")] and fake.running is None
+        assert manager.status["a"].state == "unloaded"
+
+    run(go)
+
+
+def test_an_adopted_engine_serves_without_a_load() -> None:
+    fake = FakeLifecycle()
+    fake.adopt = B
+    changes: list[Any] = []
+
+    async def go() -> None:
+        manager = EngineManager(catalog(A, B), fake, on_change=lambda: changes.append(1))
+        assert await manager.adopt() is B
+        assert await manager.acquire(B, 5) == "http://127.0.0.1:8180"
+        assert fake.calls == [] and manager.snapshot()["adopted"] is True and changes
+        manager.release()
+        await manager.shutdown()
+        assert fake.calls == [("unload", "b")]
+
+    run(go)

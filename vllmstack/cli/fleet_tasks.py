@@ -1,0 +1,71 @@
+"""Tasks over several profiles, one engine resident at a time: bench-vs, burn, router."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from invoke.context import Context
+
+from vllmstack.cli.common import JSON_HELP, Opt, Sets, print_json, project_here
+from vllmstack.cli.task import exit_with, stack_task
+
+FLEET_HELP = {"platform": "platform layer (default: PLATFORM in .env)",
+              "runtime": "native, compose, compose-v1 or podman (default: RUNTIME)"}
+
+
+@stack_task(iterable=["target"], help={
+    **JSON_HELP, **FLEET_HELP,
+    "target": "ENGINE:PROFILE, repeatable (e.g. -t vllm:qwen3-0.6b -t llamacpp:qwen3-0.6b-gguf)",
+    "ctx": "prompt tokens of the long-context decode column",
+    "concurrency": "streams of the aggregate column",
+    "think": "leave thinking on (default: chat_template_kwargs.enable_thinking=false)"})
+def bench_vs(c: Context, target: Sets = None, ctx: int = 8000, concurrency: int = 4,
+             think: bool = False, platform: Opt = None, runtime: Opt = None,
+             json: bool = False) -> None:
+    """Bring each target up in turn, measure it with one client and one definition, take it down."""
+    from vllmstack.bench import vs, vs_report
+
+    result = vs.run_bench_vs(project_here(), os.environ, list(target or []), think=think,
+                             ctx=ctx, concurrency=concurrency,
+                             platform=platform, runtime=runtime,
+                             out=sys.stderr if json else sys.stdout)
+    print_json(result.record) if json else print(vs_report.render(result.record))
+    exit_with(1 if result.failed else 0)
+
+
+@stack_task(help={**JSON_HELP, **FLEET_HELP,
+                  "profiles": "comma-separated profiles (default: every profile made for the platform)",
+                  "runs": "measured runs per profile (default 5)",
+                  "warmup": "runs discarded first (default 2)",
+                  "max_tokens": "tokens per run (default 200)"})
+def burn(c: Context, profiles: Opt = None, runs: int = 5, warmup: int = 2, max_tokens: int = 200,
+         platform: Opt = None, runtime: Opt = None, json: bool = False) -> None:
+    """Load every profile that fits this platform, measure it, unload it; a PASS/FAIL table."""
+    from vllmstack.bench import burn as burn_test
+
+    chosen = [p.strip() for p in (profiles or "").split(",") if p.strip()] or None
+    result = burn_test.run_burn(project_here(), os.environ, profiles=chosen, runs=runs,
+                                warmup=warmup, max_tokens=max_tokens, platform=platform,
+                                runtime=runtime, out=sys.stderr if json else sys.stdout)
+    print_json(result.record) if json else print(burn_test.render(result.record))
+    exit_with(1 if result.failed else 0)
+
+
+@stack_task(help={**FLEET_HELP,
+                  "host": "address to listen on (default 127.0.0.1; beyond loopback a token is required)",
+                  "port": "port to listen on (default 8080)",
+                  "ttl": "unload a model after this many idle seconds (0: never; default: IDLE_TTL)",
+                  "profiles": "comma-separated profiles to offer (default: every one made for the platform)",
+                  "token": "bearer token clients must send (default: ROUTER_TOKEN)",
+                  "load_timeout": "seconds a request waits for its model to load"})
+def router(c: Context, host: str = "127.0.0.1", port: int = 8080, platform: Opt = None,
+           ttl: float | None = None, profiles: Opt = None, token: Opt = None,
+           runtime: Opt = None, load_timeout: float | None = None) -> None:
+    """One OpenAI endpoint for every profile: loads the model a request names, one at a time."""
+    from vllmstack.router.service import run_router
+
+    chosen = [p.strip() for p in (profiles or "").split(",") if p.strip()]
+    exit_with(run_router(project_here(), os.environ, host=host, port=port, platform=platform,
+                         ttl=ttl, profiles=chosen, token=token, runtime=runtime,
+                         load_timeout=load_timeout))

@@ -1,0 +1,40 @@
+"""The engine's container image: which one a profile needs, how to make it when it is missing, and
+whether a llama.cpp image was built for the platform's backend (its labels say)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from vllmstack.config.engine import LLAMACPP, engine_image, engine_of, llamacpp_backend
+from vllmstack.config.profiles import Resolved
+from vllmstack.image.llamacpp_image import BACKEND_LABEL as LLAMACPP_BACKEND_LABEL
+from vllmstack.image.llamacpp_image import REF_LABEL as LLAMACPP_REF_LABEL
+
+
+def missing_image_fix(resolved: Resolved, image: str, engine_cli: str) -> str:
+    """How to get the image: the stack builds its own (no registry needed), others are pulled."""
+    if engine_of(resolved) == LLAMACPP:
+        return (f"build it with `invoke build --engine llamacpp` (llama-server from the pinned "
+                f"source for {llamacpp_backend(resolved)}), or set LLAMACPP_IMAGE")
+    if image.startswith("localhost/vllm-fullbuild"):
+        return "build it with `invoke build` (a from-source ROCm build: hours)"
+    if resolved.get_str("GPU_VENDOR") == "none":
+        return "build it with `invoke build --platform cpu` (vLLM's CPU build), or set VLLM_IMAGE"
+    return f"pull it ({engine_cli} pull {image}) or set VLLM_IMAGE"
+
+
+def llamacpp_image_problem(resolved: Resolved, labels: Mapping[str, str]) -> tuple[str, str] | None:
+    """(cause, fix) when the llama.cpp image says it was built for another backend or ref; an
+    image without the labels is the operator's own, taken as it is."""
+    built_for = labels.get(LLAMACPP_BACKEND_LABEL)
+    want = llamacpp_backend(resolved)
+    image = engine_image(resolved)
+    if built_for is not None and built_for != want:
+        return (f"the image {image} holds a llama-server built for {built_for}, but this platform "
+                f"needs {want} (LLAMACPP_BACKEND)",
+                f"invoke build --engine llamacpp --backend {want}, or set LLAMACPP_IMAGE to such an image")
+    built_ref, ref = labels.get(LLAMACPP_REF_LABEL), resolved.get_str("LLAMACPP_REF")
+    if built_ref is not None and built_ref != ref:
+        return (f"the image {image} holds llama.cpp {built_ref}, not the pinned {ref} (LLAMACPP_REF)",
+                "invoke build --engine llamacpp (rebuilds it from the pinned source)")
+    return None
