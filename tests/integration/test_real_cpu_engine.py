@@ -19,12 +19,14 @@ from __future__ import annotations
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import need
@@ -135,6 +137,9 @@ def vllm_bench_serve(stack: Stack, out: Path, pp: int, tg: int, prompts: int) ->
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     data = json.loads((out / "vllm.json").read_text())
     assert data["completed"] == prompts and data["failed"] == 0
+    # Means, as `invoke bench` reports them. (Not medians: when the machine is loaded, vLLM's
+    # API server sends many tokens per chunk, and most requests' TPOT - the time after the
+    # first chunk over the tokens - drops to almost nothing; the mean keeps the slow ones.)
     return {"ttft_ms": data["mean_ttft_ms"], "tg_tps": 1000.0 / data["mean_tpot_ms"],
             "prompt_tokens": data["total_input_tokens"] / prompts,
             "completion_tokens": data["total_output_tokens"] / prompts}
@@ -143,31 +148,43 @@ def vllm_bench_serve(stack: Stack, out: Path, pp: int, tg: int, prompts: int) ->
 def test_bench_side_by_side_with_vllm_bench_serve(served: Stack, tmp_path: Path) -> None:
     """Both clients measure one workload on one server; their numbers are printed and kept.
 
-    Measured on the 2-core machine (client, API server and engine share the cores, with other
-    work beside them), the two disagreed by 30-60 % on TTFT and decode, and each moved by as much
-    between repeats; so the 5 % agreement is asserted only with VLLMSTACK_BENCH_AGREE=1 (a quiet
-    machine with spare cores). Always asserted: the same prompt and output lengths, no errors,
-    and numbers of the same order (a unit or counting mistake is a factor of 1000 or more).
+    The same prompt length (both count the text before the chat template: 256 becomes 268 prompt
+    tokens in usage). The two clients take turns (theirs, ours, theirs, ours), so drift of the
+    machine affects both alike. On a loaded 2-core machine vLLM's API server sends many tokens per
+    chunk and the two clients' definitions part (theirs times the first chunk, ours estimates each
+    token's arrival), so the 5 % agreement is asserted only with
+    VLLMSTACK_BENCH_AGREE=1 (a quiet machine); always asserted: the same prompt and output
+    lengths, no errors, and numbers of the same order (a unit or counting mistake is a factor of
+    1000 or more).
     """
-    pp, tg, runs = 256, 128, 8
-    ours = json.loads(served.must("bench", "--pp", str(pp), "--tg", str(tg), "--runs", str(runs),
-                                  "--json", timeout=600).stdout)
-    [row] = ours["results"]
-    assert row["errors"] == 0 and row["requests"] == runs
-    theirs = vllm_bench_serve(served, tmp_path, pp, tg, runs)
-    mine = {"ttft_ms": row["ttft_ms"]["mean"], "tg_tps": row["tg_tps"]["mean"]}
-    report = {k: (round(mine[k], 2), round(theirs[k], 2), f"{mine[k] / theirs[k] - 1:+.1%}") for k in mine}
-    print(f"invoke bench vs vllm bench serve (pp {pp}, tg {tg}, {runs} runs, c=1): {report}")
+    text_len, tg, runs, rounds = 256, 128, 10, 2
+    theirs_rounds: list[dict[str, float]] = []
+    ours_rounds: list[dict[str, float]] = []
+    for round_no in range(rounds):
+        theirs = vllm_bench_serve(served, tmp_path / f"round{round_no}", text_len, tg, runs)
+        ours = json.loads(served.must("bench", "--pp", str(text_len), "--tg", str(tg), "--runs", str(runs),
+                                      "--json", timeout=600).stdout)
+        [row] = ours["results"]
+        assert row["errors"] == 0 and row["requests"] == runs
+        assert abs(row["prompt_tokens"]["mean"] / theirs["prompt_tokens"] - 1) <= 0.01
+        assert row["completion_tokens"]["mean"] == theirs["completion_tokens"] == tg
+        theirs_rounds.append(theirs)
+        ours_rounds.append({"ttft_ms": row["ttft_ms"]["mean"], "tg_tps": row["tg_tps"]["mean"]})
+    mine = {k: statistics.fmean(r[k] for r in ours_rounds) for k in ("ttft_ms", "tg_tps")}
+    theirs_mean = {k: statistics.fmean(r[k] for r in theirs_rounds) for k in ("ttft_ms", "tg_tps")}
+    report = {k: (round(mine[k], 2), round(theirs_mean[k], 2), f"{mine[k] / theirs_mean[k] - 1:+.1%}")
+              for k in mine}
+    print(f"invoke bench vs vllm bench serve (pp {text_len}, tg {tg}, {rounds}x{runs} runs, "
+          f"c=1, means): {report}")
     artifacts = ROOT / "test-artifacts"
     artifacts.mkdir(exist_ok=True)
     (artifacts / "real-cpu-bench-vs-vllm.json").write_text(json.dumps(
-        {"pp": pp, "tg": tg, "runs": runs, "invoke_bench": mine, "vllm_bench_serve": theirs}, indent=1))
-    assert abs(row["prompt_tokens"]["mean"] / theirs["prompt_tokens"] - 1) <= AGREE
-    assert row["completion_tokens"]["mean"] == theirs["completion_tokens"] == tg
+        {"pp": text_len, "tg": tg, "runs": runs, "rounds": rounds, "invoke_bench": ours_rounds,
+         "vllm_bench_serve": theirs_rounds, "agreement": report}, indent=1))
     for key in mine:
-        assert 0.1 <= mine[key] / theirs[key] <= 10, report
+        assert 0.1 <= mine[key] / theirs_mean[key] <= 10, report
         if os.environ.get("VLLMSTACK_BENCH_AGREE") == "1":
-            assert abs(mine[key] / theirs[key] - 1) <= AGREE, report
+            assert abs(mine[key] / theirs_mean[key] - 1) <= AGREE, report
 
 
 @pytest.mark.parametrize("probe", ["thinkoff", "prefix-cache"])
@@ -205,3 +222,91 @@ def test_real_boot_failures_are_diagnosed(stack: Stack, setting: str, cause: str
     assert "Traceback (most recent call last)" not in result.stderr.split("log line")[0]
     assert cause in text and fix in text, text[-3000:]
     assert not stack.answers()
+
+
+# --- llama.cpp and the router with the real engine (issues 13, 14 and 16) -----------------------
+
+
+def test_bench_vs_real_vllm_against_llamacpp_on_identical_weights(
+        stack: Stack, llamacpp_cpu_server: Path) -> None:
+    """`invoke gguf-convert` of the made model, then `invoke bench-vs` of the real CPU vLLM
+    against the CPU llama-server of the pinned source: one table, never both resident."""
+    build = llamacpp_cpu_server.parent.parent
+    link = stack.root / ".cache" / "engines" / build.name
+    if not link.exists():
+        link.symlink_to(build)
+    models = stack.home / "models"
+    with (stack.root / ".env").open("a") as env:
+        env.write(f"MODELS_DIR={models}\n")
+    convert = stack.must("gguf-convert", "vllmstack/tiny-qwen3", timeout=600)
+    assert (models / "tiny-qwen3-f16.gguf").is_file(), convert.stdout[-2000:]
+    started = time.monotonic()
+    result = stack.invoke("bench-vs", "-t", "vllm:tiny", "-t", "llamacpp:tiny-gguf", "--ctx", "1000",
+                          "--concurrency", "2", "--json", timeout=BOOT_TIMEOUT_S + 600)
+    print(f"bench-vs, real vLLM and llama.cpp on the CPU: {time.monotonic() - started:.0f} s")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    record = json.loads(result.stdout)
+    vllm_row, llama_row = record["rows"]
+    assert (vllm_row["engine"], llama_row["engine"]) == ("vllm", "llamacpp")
+    assert vllm_row["status"] == "ok" and llama_row["status"] in ("ok", "partial"), llama_row
+    assert vllm_row["pair_kind"] == llama_row["pair_kind"] == "identical weights"
+    for row in (vllm_row, llama_row):
+        assert row["single"]["tg_tps"]["mean"] > 0 and row["conc"]["total_tg_tps"] > 0
+    assert llama_row["timings"]["single"]["predicted_per_second"] > 0  # llama.cpp's own, beside
+    assert not stack.answers()  # both taken down again
+
+
+def test_router_serves_two_real_profiles_one_at_a_time(stack: Stack) -> None:
+    """`invoke router` over two real vLLM profiles: a request loads one, a request for the other
+    swaps them (one engine at any moment), and SIGTERM leaves nothing running."""
+    twin = (stack.root / "env" / "models" / "tiny.env").read_text()
+    (stack.root / "env" / "models" / "tiny-b.env").write_text(
+        twin.replace("VLLM_SERVED_NAME=tiny", "VLLM_SERVED_NAME=tiny-b"))
+    port = free_port()
+    env = {**os.environ, "HOME": str(stack.home)}
+    router = subprocess.Popen([sys.executable, "-m", "invoke", "router", "--port", str(port),
+                               "--profiles", "tiny,tiny-b"], cwd=stack.root, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not _get(url + "/v1/health"):
+            time.sleep(0.5)
+        answers = []
+        for model in ("tiny", "tiny-b"):
+            started = time.monotonic()
+            answer = _post(url + "/v1/chat/completions", {
+                "model": model, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]})
+            answers.append((model, answer["model"], round(time.monotonic() - started)))
+        health = _get(url + "/v1/health")
+        print(f"router, real engines: {answers}; swaps {health['swaps']}")
+        assert [a[:2] for a in answers] == [("tiny", "tiny"), ("tiny-b", "tiny-b")]
+        assert health["loaded"] == "tiny-b" and health["models"]["tiny"]["state"] == "unloaded"
+        swap = health["swaps"][-1]
+        assert (swap["unloaded"], swap["loaded"], swap["ok"]) == ("tiny", "tiny-b", True)
+    finally:
+        router.terminate()
+        output, _ = router.communicate(timeout=180)
+    assert router.returncode == 0, output[-3000:]
+    assert not stack.answers(), output[-3000:]
+
+
+def _get(url: str) -> dict[str, Any]:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=5) as answer:
+            data: dict[str, Any] = json.load(answer)
+            return data
+    except OSError:
+        return {}
+
+
+def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    import urllib.request
+
+    request = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=BOOT_TIMEOUT_S + 120) as answer:
+        data: dict[str, Any] = json.load(answer)
+    return data
