@@ -47,7 +47,8 @@ def profiles(c: Context) -> None:
 
 @stack_task(iterable=["set"], help={**PROFILE_HELP, **JSON_HELP,
                                     "explain": "show which layer set each value",
-                                    "vllm_args": "print the exact vllm serve argv"})
+                                    "vllm_args": "print the engine's exact argv (vllm serve; "
+                                    "llama-server for ENGINE=llamacpp)"})
 def config(c: Context, model: Opt = None, platform: Opt = None, set: Sets = None,
            explain: bool = False, vllm_args: bool = False, json: bool = False) -> None:
     """Show the resolved settings; --explain shows where each came from; --vllm-args the argv."""

@@ -78,6 +78,15 @@ def test_config_vllm_args_json_is_the_argv(cli_project: Project) -> None:
     assert argv[argv.index("--max-num-seqs") + 1] == "3"
 
 
+def test_config_vllm_args_of_a_llamacpp_profile_is_llama_servers_argv(cli_project: Project) -> None:
+    out = invoke(cli_project.root, "config", "--model", "tiny-gguf", "--platform", "cpu",
+                 "--set", "MODELS_DIR=/models", "--vllm-args", "--json")
+    assert out.returncode == 0, out.stderr
+    argv = json.loads(out.stdout)
+    assert argv[:3] == ["llama-server", "--model", "/models/tiny-qwen3-f16.gguf"]
+    assert argv[argv.index("--alias") + 1] == "tiny-gguf"
+
+
 def test_config_explain_json_names_each_source(cli_project: Project) -> None:
     out = invoke(cli_project.root, "config", "--explain", "--json", "--set", "VLLM_TP=2")
     table = json.loads(out.stdout)

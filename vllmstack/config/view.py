@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import shlex
 
+from vllmstack.config.engine import LLAMACPP, engine_of
+from vllmstack.config.llamacpp_args import build_llamacpp_argv
 from vllmstack.config.profiles import ProfileInfo, Resolved
 from vllmstack.config.vllm_args import ArgvError, build_serve_argv
 from vllmstack.core.errors import StackError
@@ -33,7 +35,9 @@ def render_config(
 ) -> str:
     if vllm_args:
         try:
-            command = build_serve_argv(resolved)
+            # The engine's own command: llama-server's for a llama.cpp profile (as `up` renders it).
+            command = (build_llamacpp_argv(resolved, host="0.0.0.0")
+                       if engine_of(resolved) == LLAMACPP else build_serve_argv(resolved))
         except ArgvError as exc:
             raise ConfigError(str(exc), exc.fix) from exc
         # A token given through VLLM_EXTRA_ARGS (--api-key) is masked; generated/vllm-argv.txt
