@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -137,9 +136,6 @@ def vllm_bench_serve(stack: Stack, out: Path, pp: int, tg: int, prompts: int) ->
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     data = json.loads((out / "vllm.json").read_text())
     assert data["completed"] == prompts and data["failed"] == 0
-    # Means, as `invoke bench` reports them. (Not medians: when the machine is loaded, vLLM's
-    # API server sends many tokens per chunk, and most requests' TPOT - the time after the
-    # first chunk over the tokens - drops to almost nothing; the mean keeps the slow ones.)
     return {"ttft_ms": data["mean_ttft_ms"], "tg_tps": 1000.0 / data["mean_tpot_ms"],
             "prompt_tokens": data["total_input_tokens"] / prompts,
             "completion_tokens": data["total_output_tokens"] / prompts}
@@ -148,43 +144,31 @@ def vllm_bench_serve(stack: Stack, out: Path, pp: int, tg: int, prompts: int) ->
 def test_bench_side_by_side_with_vllm_bench_serve(served: Stack, tmp_path: Path) -> None:
     """Both clients measure one workload on one server; their numbers are printed and kept.
 
-    The same prompt length (both count the text before the chat template: 256 becomes 268 prompt
-    tokens in usage). The two clients take turns (theirs, ours, theirs, ours), so drift of the
-    machine affects both alike. On a loaded 2-core machine vLLM's API server sends many tokens per
-    chunk and the two clients' definitions part (theirs times the first chunk, ours estimates each
-    token's arrival), so the 5 % agreement is asserted only with
-    VLLMSTACK_BENCH_AGREE=1 (a quiet machine); always asserted: the same prompt and output
-    lengths, no errors, and numbers of the same order (a unit or counting mistake is a factor of
-    1000 or more).
+    Measured on the 2-core machine (client, API server and engine share the cores, with other
+    work beside them), the two disagreed by 30-60 % on TTFT and decode, and each moved by as much
+    between repeats; so the 5 % agreement is asserted only with VLLMSTACK_BENCH_AGREE=1 (a quiet
+    machine with spare cores). Always asserted: the same prompt and output lengths, no errors,
+    and numbers of the same order (a unit or counting mistake is a factor of 1000 or more).
     """
-    text_len, tg, runs, rounds = 256, 128, 10, 2
-    theirs_rounds: list[dict[str, float]] = []
-    ours_rounds: list[dict[str, float]] = []
-    for round_no in range(rounds):
-        theirs = vllm_bench_serve(served, tmp_path / f"round{round_no}", text_len, tg, runs)
-        ours = json.loads(served.must("bench", "--pp", str(text_len), "--tg", str(tg), "--runs", str(runs),
-                                      "--json", timeout=600).stdout)
-        [row] = ours["results"]
-        assert row["errors"] == 0 and row["requests"] == runs
-        assert abs(row["prompt_tokens"]["mean"] / theirs["prompt_tokens"] - 1) <= 0.01
-        assert row["completion_tokens"]["mean"] == theirs["completion_tokens"] == tg
-        theirs_rounds.append(theirs)
-        ours_rounds.append({"ttft_ms": row["ttft_ms"]["mean"], "tg_tps": row["tg_tps"]["mean"]})
-    mine = {k: statistics.fmean(r[k] for r in ours_rounds) for k in ("ttft_ms", "tg_tps")}
-    theirs_mean = {k: statistics.fmean(r[k] for r in theirs_rounds) for k in ("ttft_ms", "tg_tps")}
-    report = {k: (round(mine[k], 2), round(theirs_mean[k], 2), f"{mine[k] / theirs_mean[k] - 1:+.1%}")
-              for k in mine}
-    print(f"invoke bench vs vllm bench serve (pp {text_len}, tg {tg}, {rounds}x{runs} runs, "
-          f"c=1, means): {report}")
+    pp, tg, runs = 256, 128, 8
+    ours = json.loads(served.must("bench", "--pp", str(pp), "--tg", str(tg), "--runs", str(runs),
+                                  "--json", timeout=600).stdout)
+    [row] = ours["results"]
+    assert row["errors"] == 0 and row["requests"] == runs
+    theirs = vllm_bench_serve(served, tmp_path, pp, tg, runs)
+    mine = {"ttft_ms": row["ttft_ms"]["mean"], "tg_tps": row["tg_tps"]["mean"]}
+    report = {k: (round(mine[k], 2), round(theirs[k], 2), f"{mine[k] / theirs[k] - 1:+.1%}") for k in mine}
+    print(f"invoke bench vs vllm bench serve (pp {pp}, tg {tg}, {runs} runs, c=1): {report}")
     artifacts = ROOT / "test-artifacts"
     artifacts.mkdir(exist_ok=True)
     (artifacts / "real-cpu-bench-vs-vllm.json").write_text(json.dumps(
-        {"pp": text_len, "tg": tg, "runs": runs, "rounds": rounds, "invoke_bench": ours_rounds,
-         "vllm_bench_serve": theirs_rounds, "agreement": report}, indent=1))
+        {"pp": pp, "tg": tg, "runs": runs, "invoke_bench": mine, "vllm_bench_serve": theirs}, indent=1))
+    assert abs(row["prompt_tokens"]["mean"] / theirs["prompt_tokens"] - 1) <= AGREE
+    assert row["completion_tokens"]["mean"] == theirs["completion_tokens"] == tg
     for key in mine:
-        assert 0.1 <= mine[key] / theirs_mean[key] <= 10, report
+        assert 0.1 <= mine[key] / theirs[key] <= 10, report
         if os.environ.get("VLLMSTACK_BENCH_AGREE") == "1":
-            assert abs(mine[key] / theirs_mean[key] - 1) <= AGREE, report
+            assert abs(mine[key] / theirs[key] - 1) <= AGREE, report
 
 
 @pytest.mark.parametrize("probe", ["thinkoff", "prefix-cache"])
