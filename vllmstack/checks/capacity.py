@@ -138,8 +138,10 @@ def rule_memory(ctx: CheckContext) -> list[Finding]:
     usable = vram * util
     weights = facts.weight_gib / tp
     kv_available = usable - weights - OVERHEAD_GIB
+    estimated = facts.sources.get("weight_gib", "").startswith("estimated")
     where = (f"{vram:g} GiB × {util:g} = {usable:.1f} GiB usable per GPU; weights "
-             f"{facts.weight_gib:g} GiB / TP {tp} = {weights:.1f} GiB; overhead ≈ {OVERHEAD_GIB:g} GiB")
+             f"{facts.weight_gib:g} GiB{' (from the config: no weight files)' if estimated else ''}"
+             f" / TP {tp} = {weights:.1f} GiB; overhead ≈ {OVERHEAD_GIB:g} GiB")
     if kv_available <= 0:
         return [*out, ctx.finding(
             "error", "weights-do-not-fit", "VLLM_GPU_MEM_UTIL",

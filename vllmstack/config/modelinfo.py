@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from vllmstack.config.profiles import Resolved
+from vllmstack.config.weights import estimate_weight_gib
 from vllmstack.core.paths import home_dir
 
 GIB = 1024**3
@@ -194,6 +195,7 @@ def load_model_facts(resolved: Resolved, environ: Mapping[str, str]) -> ModelFac
     config_dir = Path(override).expanduser() if override else model_dir
     facts.model_dir = model_dir
     config_path = config_dir / "config.json" if config_dir else None
+    config: Any = None
     if config_path is not None and config_path.is_file():
         try:
             config = json.loads(config_path.read_text())
@@ -208,6 +210,15 @@ def load_model_facts(resolved: Resolved, environ: Mapping[str, str]) -> ModelFac
         if size:
             facts.weight_gib = round(size, 2)
             facts.sources["weight_gib"] = f"weights on disk at {model_dir}"
+        elif isinstance(config, dict):
+            # A folder with a config and no weights is served with --load-format dummy: its
+            # geometry and dtype decide the size, not the profile's (other, often quantized)
+            # checkpoint: so the config's own quantization, not the profile's MODEL_QUANT.
+            estimate = estimate_weight_gib(config, facts_from_config(config).get("quant"))
+            if estimate:
+                facts.weight_gib = estimate
+                facts.sources["weight_gib"] = (
+                    f"estimated from config.json at {config_path} (no weight files in {model_dir})")
     return facts
 
 
