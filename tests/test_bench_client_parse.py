@@ -292,3 +292,46 @@ def test_comments_and_other_fields_are_ignored_and_a_huge_event_is_linear() -> N
               (0.1, big), (0.1, "data: [DONE]")]
     r = feed(events, split=7)  # ~43k reads for the big event; a re-join per read is quadratic
     assert r.ok and r.content == text and r.tokens == 1
+
+
+def burst_stream(ttft: float, gap: float, n: int = 128) -> list[tuple[float, str]]:
+    """vLLM's per-chunk-usage stream: the role chunk, then n one-token chunks `gap` apart."""
+    events = [(ttft, ROLE)]
+    for i in range(1, n + 1):
+        events.append((ttft + (i - 1) * gap, token(" it", usage=i)))
+    end = events[-1][0]
+    return [*events, (end, final_usage(n)), (end, "data: [DONE]")]
+
+
+def test_a_stream_released_in_one_burst_has_no_decode_rate() -> None:
+    # Recorded shape (vLLM 0.32 CPU build on 2 cores, API server starved): all 128 chunks,
+    # each with its cumulative usage, within 1 ms after 252 ms.
+    held = feed(burst_stream(0.2519, 0.000007))
+    assert held.ok and held.tokens == 128 and held.burst
+    paced = feed(burst_stream(0.0176, 0.0025))
+    assert not paced.burst and paced.decode_tps == pytest.approx(400, rel=0.01)
+    short = feed(burst_stream(0.1, 0.000007, n=4))  # too few chunks to tell
+    assert not short.burst
+
+
+def test_burst_requests_are_left_out_of_decode_and_said() -> None:
+    from vllmstack.bench.session import summarize_results
+
+    class Quiet:
+        overhead = None
+
+        def __init__(self) -> None:
+            self.warnings: list[str] = []
+
+        def warn(self, text: str) -> None:
+            self.warnings.append(text)
+
+    session = Quiet()
+    results = [feed(burst_stream(0.018, 0.0025)), feed(burst_stream(0.25, 0.000007)),
+               feed(burst_stream(0.019, 0.0025))]
+    row = summarize_results(session, results, pp=256, tg=128, depth=0, concurrency=1)  # type: ignore[arg-type]
+    assert row["requests"] == 3 and row["errors"] == 0
+    assert row["tg_tps"]["n"] == 2 and row["tg_tps"]["max"] == pytest.approx(400, rel=0.01)
+    assert row["ttft_ms"]["n"] == 3  # the wait a user saw stays in TTFT
+    assert len(session.warnings) == 1 and "1 of 3 requests" in session.warnings[0]
+    assert "one burst" in session.warnings[0]

@@ -120,6 +120,19 @@ def test_a_line_that_is_not_utf8_is_dropped_with_a_finding_and_the_rest_kept(tmp
     assert "column 6" in problems[0].message and problems[0].fix
 
 
+@pytest.mark.parametrize(("value", "shown"), [
+    ("caf\udce9", r"b'A=caf\xe9'"),  # the environment's undecodable byte, as os.environ holds it
+    ("x\ud800", r"b'A=x\\ud800'"),  # a lone surrogate no byte made (found by hypothesis)
+])
+def test_a_setting_that_is_not_utf8_is_an_error_naming_its_bytes(project: Project, value: str,
+                                                                  shown: str) -> None:
+    resolved = resolve(project, platform="cpu", model="qwen3-0.6b", environ={"HOME": "/x"},
+                       overrides=[f"ENGINE_ENV=A={value}"])
+    [problem] = [p for p in resolved.problems if p.code == "not-utf8"]
+    assert problem.severity == "error" and problem.key == "ENGINE_ENV" and problem.fix
+    assert problem.message.endswith(shown), problem.message
+
+
 def test_layer_names_are_plain_names_below_env() -> None:
     for good in ("qwen3-0.6b", "families/qwen3.6", "features/rocm-common"):
         assert layer_name_problem(good) is None

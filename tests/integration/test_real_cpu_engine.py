@@ -16,6 +16,7 @@ compile cache in .cache/real-engine-tests, so later runs boot faster.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -65,13 +66,16 @@ class Stack:
     port: int
     engine: Path  # the engine environment
 
-    def invoke(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    def invoke(self, *args: str, timeout: float = 300,
+               cpus: set[int] | None = None) -> subprocess.CompletedProcess[str]:
         env = {**os.environ, "HOME": str(self.home)}
         return subprocess.run([sys.executable, "-m", "invoke", *args], cwd=self.root, env=env,
-                              text=True, capture_output=True, timeout=timeout, check=False)
+                              text=True, capture_output=True, timeout=timeout, check=False,
+                              preexec_fn=pin_to(cpus))
 
-    def must(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-        result = self.invoke(*args, timeout=timeout)
+    def must(self, *args: str, timeout: float = 300,
+             cpus: set[int] | None = None) -> subprocess.CompletedProcess[str]:
+        result = self.invoke(*args, timeout=timeout, cpus=cpus)
         said = f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
         assert result.returncode == 0, f"invoke {' '.join(args)}:\n{said}"
         return result
@@ -122,53 +126,179 @@ def test_up_status_serves_the_made_model(served: Stack) -> None:
     assert "healthy" in text.lower()
 
 
-def vllm_bench_serve(stack: Stack, out: Path, pp: int, tg: int, prompts: int) -> dict[str, float]:
-    snapshot = next((stack.home / ".cache" / "huggingface" / "hub" / "models--vllmstack--tiny-qwen3"
-                     / "snapshots").iterdir())
+def made_snapshot(stack: Stack) -> Path:
+    """The made tiny model's folder in the stack's HF cache (its tokenizer serves both clients)."""
+    return next((stack.home / ".cache" / "huggingface" / "hub" / "models--vllmstack--tiny-qwen3"
+                 / "snapshots").iterdir())
+
+
+def vllm_bench_serve(stack: Stack, out: Path, pp: int, tg: int, prompts: int, *, seed: int,
+                     url: str | None = None, cpus: set[int] | None = None) -> dict[str, float]:
+    """`vllm bench serve` from the engine's own install, at concurrency 1.
+
+    Every call needs its own --seed: the random dataset is seeded, so a repeat sends the same
+    prompts and, with prefix caching on, measures cached prefills (seen here: 256 of 268 prompt
+    tokens hit, TTFT 13 ms against 20 ms uncached). Its initial test request repeats prompt 0 as
+    well, so one of the measured prompts is always cached: compare medians, not means. And
+    greedy, as `invoke bench` asks: the server's default sampling costs this CPU engine about
+    13 % of its decode rate."""
+    name = f"vllm-{seed}.json"
     argv = [str(stack.engine / "bin" / "vllm"), "bench", "serve", "--backend", "openai-chat",
-            "--base-url", f"http://127.0.0.1:{stack.port}", "--endpoint", "/v1/chat/completions",
-            "--model", "tiny", "--tokenizer", str(snapshot), "--dataset-name", "random",
+            "--base-url", url or f"http://127.0.0.1:{stack.port}", "--endpoint", "/v1/chat/completions",
+            "--model", "tiny", "--tokenizer", str(made_snapshot(stack)), "--dataset-name", "random",
             "--random-input-len", str(pp), "--random-output-len", str(tg), "--num-prompts", str(prompts),
-            "--max-concurrency", "1", "--ignore-eos", "--save-result", "--result-dir", str(out),
-            "--result-filename", "vllm.json"]
+            "--max-concurrency", "1", "--ignore-eos", "--seed", str(seed), "--temperature", "0",
+            "--save-result", "--result-dir", str(out), "--result-filename", name]
     result = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False,
-                            env={**os.environ, "HOME": str(stack.home), "HF_HUB_OFFLINE": "1"})
+                            env={**os.environ, "HOME": str(stack.home), "HF_HUB_OFFLINE": "1"},
+                            preexec_fn=pin_to(cpus))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    data = json.loads((out / "vllm.json").read_text())
+    data = json.loads((out / name).read_text())
     assert data["completed"] == prompts and data["failed"] == 0
-    return {"ttft_ms": data["mean_ttft_ms"], "tg_tps": 1000.0 / data["mean_tpot_ms"],
+    return {"ttft_ms": data["median_ttft_ms"], "tg_tps": 1000.0 / data["median_tpot_ms"],
             "prompt_tokens": data["total_input_tokens"] / prompts,
             "completion_tokens": data["total_output_tokens"] / prompts}
 
 
-def test_bench_side_by_side_with_vllm_bench_serve(served: Stack, tmp_path: Path) -> None:
-    """Both clients measure one workload on one server; their numbers are printed and kept.
+def paired_clients(stack: Stack, out: Path, pp: int, tg: int, pairs: int,
+                   cpus: set[int] | None) -> dict[str, Any]:
+    """paired_clients.py in the engine's python: both clients, one request each in turns."""
+    record = out / "paired.json"
+    argv = [str(stack.engine / "bin" / "python"), str(Path(__file__).with_name("paired_clients.py")),
+            f"http://127.0.0.1:{stack.port}", "tiny", str(made_snapshot(stack) / "tokenizer.json"),
+            str(pp), str(tg), str(pairs), str(record)]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=900, check=False,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"},
+                            preexec_fn=pin_to(cpus))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    data: dict[str, Any] = json.loads(record.read_text())
+    return data
 
-    Measured on the 2-core machine (client, API server and engine share the cores, with other
-    work beside them), the two disagreed by 30-60 % on TTFT and decode, and each moved by as much
-    between repeats; so the 5 % agreement is asserted only with VLLMSTACK_BENCH_AGREE=1 (a quiet
-    machine with spare cores). Always asserted: the same prompt and output lengths, no errors,
-    and numbers of the same order (a unit or counting mistake is a factor of 1000 or more).
-    """
-    pp, tg, runs = 256, 128, 8
-    ours = json.loads(served.must("bench", "--pp", str(pp), "--tg", str(tg), "--runs", str(runs),
-                                  "--json", timeout=600).stdout)
-    [row] = ours["results"]
+
+def invoke_bench(stack: Stack, pp: int, tg: int, runs: int, *extra: str,
+                 cpus: set[int] | None = None) -> dict[str, Any]:
+    result = stack.must("bench", "--pp", str(pp), "--tg", str(tg), "--runs", str(runs), "--json",
+                        *extra, timeout=600, cpus=cpus)
+    [row] = json.loads(result.stdout)["results"]
     assert row["errors"] == 0 and row["requests"] == runs
-    theirs = vllm_bench_serve(served, tmp_path, pp, tg, runs)
-    mine = {"ttft_ms": row["ttft_ms"]["mean"], "tg_tps": row["tg_tps"]["mean"]}
-    report = {k: (round(mine[k], 2), round(theirs[k], 2), f"{mine[k] / theirs[k] - 1:+.1%}") for k in mine}
-    print(f"invoke bench vs vllm bench serve (pp {pp}, tg {tg}, {runs} runs, c=1): {report}")
+    return {"ttft_ms": row["ttft_ms"]["p50"], "tg_tps": row["tg_tps"]["p50"],
+            "prompt_tokens": row["prompt_tokens"]["mean"],
+            "completion_tokens": row["completion_tokens"]["mean"]}
+
+
+def pin_to(cpus: set[int] | None) -> Any:
+    return None if not cpus else (lambda: os.sched_setaffinity(0, cpus))
+
+
+def engine_processes(stack: Stack) -> dict[int, str]:
+    """pid -> name of every process of the engine's session (engine.json's pid leads it)."""
+    leader = json.loads((stack.root / "generated" / "native" / "engine.json").read_text())["pid"]
+    found: dict[int, str] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        name, rest = text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
+        if int(rest[3]) == leader:  # field 6, the session id
+            found[int(stat.parent.name)] = name
+    return found
+
+
+def place_engine_for_measurement(stack: Stack) -> set[int] | None:
+    """Give the API server and the clients their own core; the CPUs left for the clients.
+
+    vLLM's CPU backend binds its worker's OpenMP threads to some cores and leaves the rest to
+    its engine-core process, whose readers busy-wait (sched_yield) on the shared-memory queue.
+    The API server floats; when the kernel puts it beside that busy-waiting process it runs
+    only between steps, and a whole answer can arrive in one burst at the end (seen on this
+    2-core machine: TTFT 250-400 ms and "500,000 t/s" for some requests of either client, at
+    random). So for the comparison the engine core joins the worker's cores, and the API
+    server and both clients share the others: measured stable to about 10 % per round."""
+    processes = engine_processes(stack)
+    workers = [pid for pid, name in processes.items() if name.startswith("VLLM::Worker")]
+    everything = os.sched_getaffinity(0)
+    engine_cpus = os.sched_getaffinity(workers[0]) if workers else set()
+    rest = everything - engine_cpus
+    if not workers or not rest:
+        return None
+    for pid, name in processes.items():
+        if name.startswith("VLLM::Worker"):
+            continue
+        target = engine_cpus if name.startswith("VLLM::EngineCor") else rest
+        with contextlib.suppress(OSError):  # a process or thread that ended meanwhile
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(int(task.name), target)
+    return rest
+
+
+def test_bench_agrees_with_vllm_bench_serve_on_a_paced_server(stack: Stack, tmp_path: Path) -> None:
+    """The two clients' definitions, without a noisy machine in the way: the engine simulator
+    paces the stream exactly (first token after 30 ms + prompt at 10,000 t/s, then one token
+    every 5 ms), and `vllm bench serve` from the real install measures it beside `invoke bench`.
+    Both must agree within 5 % on TTFT and decode, and both must read the pacing."""
+    from simulator.fixture import run_simulator, sim_env
+
+    snapshot = made_snapshot(stack)
+    pp, tg, runs = 256, 128, 8
+    env = sim_env(snapshot / "tokenizer.json", ttft_ms=30.0, prefill_tps=10000.0, itl_ms=5.0)
+    with run_simulator(env=env, argv=["--served-model-name", "tiny", "--max-model-len", "4096",
+                                      "--max-num-seqs", "8"]) as sim:
+        mine = invoke_bench(stack, pp, tg, runs, "--url", sim.url, "--model", "tiny",
+                            "--tokenizer", str(snapshot))
+        theirs = vllm_bench_serve(stack, tmp_path, pp, tg, runs, seed=1, url=sim.url)
+    truth = {"ttft_ms": 30.0 + mine["prompt_tokens"] / 10000.0 * 1000, "tg_tps": 200.0}
+    report = {k: (round(mine[k], 2), round(theirs[k], 2), round(truth[k], 2)) for k in truth}
+    print(f"paced server, invoke bench / vllm bench serve / pacing: {report}")
+    assert abs(mine["prompt_tokens"] / theirs["prompt_tokens"] - 1) <= AGREE
+    for key in truth:
+        assert abs(mine[key] / theirs[key] - 1) <= AGREE, report
+        assert abs(mine[key] / truth[key] - 1) <= AGREE, report
+
+
+def test_bench_side_by_side_with_vllm_bench_serve(served: Stack, tmp_path: Path) -> None:
+    """`invoke bench` beside `vllm bench serve` from the same install, on the real engine.
+
+    First the two commands as a user runs them, one after the other (same lengths, fresh
+    prompts, greedy): same prompt and output counts, numbers of the same order. Then the 5 %:
+    on this 2-core machine one client's decode rate moves by 8-15 % from one run of requests to
+    the next (320-377 t/s in five runs of `invoke bench` back to back), so two runs in turn
+    cannot show 5 % whatever their definitions; and both at once lock into phase (one client's
+    prefill waits behind the other's: +80 % TTFT for one side). So the 5 % is held request by
+    request in turns (paired_clients.py: vLLM's own request function and ours, same request
+    shape, which goes first alternating; the median of ours over theirs, pair by pair: seven
+    runs here gave 0.97-1.025 for decode and 0.99-1.01 for TTFT), the engine placed so its API
+    server is not starved
+    (place_engine_for_measurement), a prompt long enough that prefill, not the ~1.3 ms between
+    the clients' own overheads, makes TTFT. The paced-server test above holds the same 5 %
+    without an engine's noise."""
+    cpus = place_engine_for_measurement(served)
+    theirs = vllm_bench_serve(served, tmp_path, 2048, 128, 8, seed=101, cpus=cpus)
+    mine = invoke_bench(served, 2048, 128, 8, cpus=cpus)
+    paired = paired_clients(served, tmp_path, 2048, 512, 24, cpus)
+    ours_p, theirs_p = paired["invoke_bench"], paired["vllm_bench_serve"]
+    keys = ("ttft_ms", "tg_tps")
+    report = {
+        "commands": {k: (round(mine[k], 2), round(theirs[k], 2), f"{mine[k] / theirs[k] - 1:+.1%}")
+                     for k in keys},
+        "in turns": {k: (round(ours_p[k], 2), round(theirs_p[k], 2),
+                         f"pair by pair {paired['ratio_medians'][k] - 1:+.1%}") for k in keys}}
+    print(f"invoke bench vs vllm bench serve (client CPUs {sorted(cpus) if cpus else 'all'}; "
+          f"commands: pp 2048, tg 128, 8 requests each; in turns: pp 2048, tg 512, 24 pairs): "
+          f"{report}")
     artifacts = ROOT / "test-artifacts"
     artifacts.mkdir(exist_ok=True)
     (artifacts / "real-cpu-bench-vs-vllm.json").write_text(json.dumps(
-        {"pp": pp, "tg": tg, "runs": runs, "invoke_bench": mine, "vllm_bench_serve": theirs}, indent=1))
-    assert abs(row["prompt_tokens"]["mean"] / theirs["prompt_tokens"] - 1) <= AGREE
-    assert row["completion_tokens"]["mean"] == theirs["completion_tokens"] == tg
-    for key in mine:
-        assert 0.1 <= mine[key] / theirs[key] <= 10, report
-        if os.environ.get("VLLMSTACK_BENCH_AGREE") == "1":
-            assert abs(mine[key] / theirs[key] - 1) <= AGREE, report
+        {"commands": {"invoke_bench": mine, "vllm_bench_serve": theirs}, "in_turns": paired},
+        indent=1))
+    assert abs(mine["prompt_tokens"] / theirs["prompt_tokens"] - 1) <= AGREE
+    assert mine["completion_tokens"] == theirs["completion_tokens"] == 128
+    assert ours_p["prompt_tokens"] == theirs_p["prompt_tokens"]
+    assert ours_p["completion_tokens"] == theirs_p["completion_tokens"] == 512
+    for key in keys:
+        assert 0.5 <= mine[key] / theirs[key] <= 2, report
+        assert abs(paired["ratio_medians"][key] - 1) <= AGREE, report
 
 
 @pytest.mark.parametrize("probe", ["thinkoff", "prefix-cache"])

@@ -71,8 +71,9 @@ async def run_bench(session: Session) -> list[dict[str, Any]]:
                     results.append(result)
                     session.progress(
                         f"bench pp={pp} tg={tg} run {run + 1}/{opts.runs}: "
-                        + (f"ttft {result.ttft_s * 1000:.1f} ms, tg "
-                           f"{result.decode_tps or 0:.2f} t/s"
+                        + (f"ttft {result.ttft_s * 1000:.1f} ms, "
+                           + ("all tokens in one burst" if result.burst
+                              else f"tg {result.decode_tps or 0:.2f} t/s")
                            if result.ok and result.ttft_s is not None
                            else f"FAILED: {result.why}"))
             row = summarize_results(session, results, pp=pp, tg=tg, depth=0, concurrency=1)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MAX_EVENT = 16 << 20  # one SSE event; a chunk of a real stream is ~300 bytes
+BURST_MIN_CHUNKS, BURST_GAP_S = 8, 1e-4  # see RequestResult.burst
 
 
 @dataclass
@@ -100,6 +101,16 @@ class RequestResult:
         if span <= 0 or self.decode_tokens <= 0:
             return None
         return self.decode_tokens / span
+
+    @property
+    def burst(self) -> bool:
+        """The tokens came in one burst: the server held the stream back and let it go at once.
+
+        No engine streams one sequence faster than a token per 0.1 ms, so chunks that many and
+        that close were queued behind something (seen with vLLM's CPU build on 2 cores: an API
+        server starved by the engine's busy-waiting processes sent 128 chunks within 1 ms)."""
+        gaps = sorted(self.chunk_gaps_s())
+        return len(gaps) >= BURST_MIN_CHUNKS and gaps[len(gaps) // 2] < BURST_GAP_S
 
     def itl_samples_s(self) -> list[float]:
         """One inter-token latency per decoded token (chunk gap shared by its tokens)."""

@@ -421,6 +421,15 @@ def _expand_references(
             values[key] = Setting(key, expanded, values[key].source)
 
 
+def shown_bytes(value: str) -> str:
+    """A value with surrogates as the bytes it came from (the environment's undecodable bytes
+    are surrogate escapes); a lone surrogate that no byte made (U+D800) is shown escaped."""
+    try:
+        return repr(value.encode("utf-8", "surrogateescape"))
+    except UnicodeEncodeError:
+        return repr(value.encode("utf-8", "backslashreplace"))
+
+
 def validate_settings(values: Mapping[str, Setting], schema: Schema) -> list[Finding]:
     """Unknown keys (warning, with the closest known name) and type/range problems (error)."""
     problems: list[Finding] = []
@@ -429,7 +438,7 @@ def validate_settings(values: Mapping[str, Setting], schema: Schema) -> list[Fin
             # Bytes that are not UTF-8 from --set or the environment (files are checked as read).
             problems.append(
                 Finding("error", "not-utf8", f"{key} holds bytes that are not UTF-8: "
-                        f"{setting.value.encode('utf-8', 'surrogateescape')!r}", key=key,
+                        f"{shown_bytes(setting.value)}", key=key,
                         source=setting.source, fix=f"write {key} as UTF-8 text")
             )
             continue
