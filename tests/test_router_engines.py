@@ -240,3 +240,47 @@ def test_an_adopted_engine_serves_without_a_load() -> None:
         assert fake.calls == [("unload", "b")]
 
     run(go)
+
+
+def test_a_swap_cuts_requests_that_outlast_the_drain_timeout() -> None:
+    fake = FakeLifecycle()
+    said: list[str] = []
+
+    async def go() -> None:
+        manager = EngineManager(catalog(A, B), fake, say=said.append, drain_timeout=0.2)
+        await manager.acquire(A, 5)  # a stream that never ends on its own
+        cuts: list[str] = []
+
+        def cut() -> None:  # what the connection's abort does: its handler ends and releases
+            cuts.append("a")
+            manager.unhold(cut)
+            asyncio.get_running_loop().call_soon(manager.release)
+
+        manager.hold(cut)
+        started = time.monotonic()
+        assert await manager.acquire(B, 5) == "http://127.0.0.1:1/b"
+        assert 0.2 <= time.monotonic() - started < 2
+        assert cuts == ["a"]
+        assert fake.calls == [("load", "a"), ("unload", "a"), ("load", "b")]
+        assert any("still running after 0.2 s (--drain-timeout): cutting them" in s for s in said)
+        manager.release()
+
+    run(go)
+
+
+def test_drain_timeout_zero_waits_for_ever() -> None:
+    fake = FakeLifecycle()
+
+    async def go() -> None:
+        manager = EngineManager(catalog(A, B), fake, drain_timeout=0)
+        await manager.acquire(A, 5)
+        manager.hold(lambda: pytest.fail("cut with drain_timeout 0"))
+        swap = asyncio.create_task(manager.acquire(B, 5))
+        await asyncio.sleep(0.5)
+        assert not swap.done() and fake.calls == [("load", "a")]
+        manager._holders.clear()
+        manager.release()
+        assert await swap == "http://127.0.0.1:1/b"
+        manager.release()
+
+    run(go)

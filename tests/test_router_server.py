@@ -104,7 +104,8 @@ def entry(served: str, profile: str) -> Entry:
 
 
 @contextmanager
-def router(engine_url: str, *, token: str = "", fail: str = "") -> Iterator[str]:
+def router(engine_url: str, *, token: str = "", fail: str = "",
+           drain_timeout: float = 600.0) -> Iterator[str]:
     """The router app on a free port, in a loop of its own thread."""
     catalog = Catalog("cpu", {"served": entry("served", "prof"), "bad": entry("bad", "bad")},
                       {"prof": "served"})
@@ -113,7 +114,7 @@ def router(engine_url: str, *, token: str = "", fail: str = "") -> Iterator[str]
     stop = loop.create_future()
 
     async def main() -> None:
-        manager = EngineManager(catalog, FakeLifecycle(engine_url, fail))
+        manager = EngineManager(catalog, FakeLifecycle(engine_url, fail), drain_timeout=drain_timeout)
         app = RouterApp(catalog, manager, token=token, exposed_on="127.0.0.1", load_timeout=10)
         server = await loop.create_server(lambda: Connection(app.handle, set()), "127.0.0.1", port)
         started.set()
@@ -231,6 +232,23 @@ def test_a_client_leaving_before_the_first_token_closes_the_engine_connection(
         time.sleep(0.01)
     sock.close()
     assert engine.gone.wait(1), "the engine connection stayed open after the client left"
+
+
+def test_an_unload_cuts_a_stream_that_outlasts_the_drain_timeout(engine: FakeEngine) -> None:
+    with router(engine.url, drain_timeout=0.3) as url:
+        sock = raw(url, post_bytes("/v1/chat/completions",
+                                   {"model": "served", "stream": True, "forever": True}))
+        read_until(sock, lambda d: d.count(b"data:") >= 2)
+        started = time.monotonic()
+        gone = requests.post(url + "/v1/unload", json={}, timeout=10).json()
+        assert gone == {"status": "success", "unloaded": "served"}
+        assert 0.3 <= time.monotonic() - started < 5
+        sock.settimeout(3)
+        rest, _ = read_until(sock, lambda d: False)  # until the router closed the connection
+        assert not rest.endswith(b"0\r\n\r\n"), "the cut stream ended as if complete"
+        assert engine.gone.wait(3), "the engine kept streaming to nobody"
+        health = requests.get(url + "/v1/health", timeout=5).json()
+        assert (health["loaded"], health["inflight"]) == (None, 0)
 
 
 def test_a_failed_load_is_503_with_the_diagnosis(engine: FakeEngine) -> None:

@@ -267,25 +267,26 @@ def test_bench_side_by_side_with_vllm_bench_serve(served: Stack, tmp_path: Path)
     cannot show 5 % whatever their definitions; and both at once lock into phase (one client's
     prefill waits behind the other's: +80 % TTFT for one side). So the 5 % is held request by
     request in turns (paired_clients.py: vLLM's own request function and ours, same request
-    shape, which goes first alternating; the median of ours over theirs, pair by pair: seven
-    runs here gave 0.97-1.025 for decode and 0.99-1.01 for TTFT), the engine placed so its API
-    server is not starved
+    shape, which goes first alternating; the interquartile mean of ours over theirs, pair by
+    pair: per pair the decode ratio spreads with sd 0.10-0.13 on this machine, so 60 pairs
+    (about 2.5 minutes) put 5 % near three standard errors away; runs of 20-24 pairs gave
+    0.98-1.03), the engine placed so its API server is not starved
     (place_engine_for_measurement), a prompt long enough that prefill, not the ~1.3 ms between
     the clients' own overheads, makes TTFT. The paced-server test above holds the same 5 %
     without an engine's noise."""
     cpus = place_engine_for_measurement(served)
     theirs = vllm_bench_serve(served, tmp_path, 2048, 128, 8, seed=101, cpus=cpus)
     mine = invoke_bench(served, 2048, 128, 8, cpus=cpus)
-    paired = paired_clients(served, tmp_path, 2048, 512, 24, cpus)
+    paired = paired_clients(served, tmp_path, 2048, 512, 60, cpus)
     ours_p, theirs_p = paired["invoke_bench"], paired["vllm_bench_serve"]
     keys = ("ttft_ms", "tg_tps")
     report = {
         "commands": {k: (round(mine[k], 2), round(theirs[k], 2), f"{mine[k] / theirs[k] - 1:+.1%}")
                      for k in keys},
         "in turns": {k: (round(ours_p[k], 2), round(theirs_p[k], 2),
-                         f"pair by pair {paired['ratio_medians'][k] - 1:+.1%}") for k in keys}}
+                         f"pair by pair {paired['ratios'][k] - 1:+.1%}") for k in keys}}
     print(f"invoke bench vs vllm bench serve (client CPUs {sorted(cpus) if cpus else 'all'}; "
-          f"commands: pp 2048, tg 128, 8 requests each; in turns: pp 2048, tg 512, 24 pairs): "
+          f"commands: pp 2048, tg 128, 8 requests each; in turns: pp 2048, tg 512, 60 pairs): "
           f"{report}")
     artifacts = ROOT / "test-artifacts"
     artifacts.mkdir(exist_ok=True)
@@ -298,7 +299,7 @@ def test_bench_side_by_side_with_vllm_bench_serve(served: Stack, tmp_path: Path)
     assert ours_p["completion_tokens"] == theirs_p["completion_tokens"] == 512
     for key in keys:
         assert 0.5 <= mine[key] / theirs[key] <= 2, report
-        assert abs(paired["ratio_medians"][key] - 1) <= AGREE, report
+        assert abs(paired["ratios"][key] - 1) <= AGREE, report
 
 
 @pytest.mark.parametrize("probe", ["thinkoff", "prefix-cache"])

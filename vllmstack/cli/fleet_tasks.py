@@ -58,14 +58,17 @@ def burn(c: Context, profiles: Opt = None, runs: int = 5, warmup: int = 2, max_t
                   "ttl": "unload a model after this many idle seconds (0: never; default: IDLE_TTL)",
                   "profiles": "comma-separated profiles to offer (default: every one made for the platform)",
                   "token": "bearer token clients must send (default: ROUTER_TOKEN)",
-                  "load_timeout": "seconds a request waits for its model to load"})
+                  "load_timeout": "seconds a request waits for its model to load",
+                  "drain_timeout": "seconds a swap waits for the old model's requests before it "
+                                   "cuts them (0: for ever; default 600)"})
 def router(c: Context, host: str = "127.0.0.1", port: int = 8080, platform: Opt = None,
            ttl: float | None = None, profiles: Opt = None, token: Opt = None,
-           runtime: Opt = None, load_timeout: float | None = None) -> None:
+           runtime: Opt = None, load_timeout: float | None = None,
+           drain_timeout: float | None = None) -> None:
     """One OpenAI endpoint for every profile: loads the model a request names, one at a time."""
     from vllmstack.router.service import run_router
 
     chosen = [p.strip() for p in (profiles or "").split(",") if p.strip()]
     exit_with(run_router(project_here(), os.environ, host=host, port=port, platform=platform,
                          ttl=ttl, profiles=chosen, token=token, runtime=runtime,
-                         load_timeout=load_timeout))
+                         load_timeout=load_timeout, drain_timeout=drain_timeout))

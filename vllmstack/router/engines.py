@@ -29,6 +29,9 @@ from vllmstack.router.catalog import Catalog, Entry
 UNLOADED, LOADING, READY, FAILED, UNLOADING = "unloaded", "loading", "ready", "failed", "unloading"
 RECENT_SWAPS = 20
 IDLE_POLL_S = 0.5
+# A swap waits this long for the old model's requests before it cuts them: long enough for any
+# ordinary answer (32k tokens at 60 t/s is under 10 minutes), short of holding the router for ever.
+DRAIN_TIMEOUT_S = 600.0
 
 
 class RouterBusyError(StackError):
@@ -101,8 +104,13 @@ class EngineManager:
     def __init__(self, catalog: Catalog, lifecycle: Lifecycle, *,
                  say: Callable[[str], None] = lambda line: None,
                  on_change: Callable[[], None] = lambda: None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 drain_timeout: float = DRAIN_TIMEOUT_S) -> None:
         self.catalog = catalog
+        # How long a swap or an unload waits for the requests on the old model (0: for ever);
+        # then it cuts them, so one stream that never ends cannot hold every other model off.
+        self.drain_timeout = drain_timeout
+        self._holders: set[Callable[[], None]] = set()  # cut() of each request in flight
         self.lifecycle = lifecycle
         self.say = say
         self.on_change = on_change
@@ -214,6 +222,27 @@ class EngineManager:
         assert self.url is not None
         return self.url
 
+    def hold(self, cut: Callable[[], None]) -> None:
+        """Register how to cut a granted request short (its client connection's abort)."""
+        self._holders.add(cut)
+
+    def unhold(self, cut: Callable[[], None]) -> None:
+        self._holders.discard(cut)
+
+    async def _drain(self, old: Entry) -> None:
+        """Wait for the requests on `old` to finish; past drain_timeout, cut them."""
+        if not self.inflight:
+            return
+        self.say(f"waiting for {self.inflight} request(s) on {old.id} to finish")
+        try:
+            await asyncio.wait_for(self._drained.wait(), self.drain_timeout or None)
+        except TimeoutError:
+            self.say(f"{self.inflight} request(s) on {old.id} still running after "
+                     f"{self.drain_timeout:g} s (--drain-timeout): cutting them")
+            for cut in list(self._holders):
+                cut()
+            await self._drained.wait()
+
     def release(self) -> None:
         self.inflight -= 1
         self.last_used = self.clock()
@@ -271,9 +300,7 @@ class EngineManager:
         stop_s = start_s = 0.0
         try:
             if old is not None:
-                if self.inflight:
-                    self.say(f"waiting for {self.inflight} request(s) on {old.id} to finish")
-                await self._drained.wait()
+                await self._drain(old)
                 self._set(old, UNLOADING)
                 self.say(f"unloading {old.id} ({old.profile})")
                 try:

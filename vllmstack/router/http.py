@@ -218,6 +218,11 @@ class Connection(asyncio.BufferedProtocol):
     def send_json(self, status: int, data: Any) -> None:
         self.send(status, json.dumps(data).encode())
 
+    def abort(self) -> None:
+        """Cut the connection now (a request in flight is ended: its relay and task cancelled)."""
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.abort()
+
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()

@@ -134,6 +134,7 @@ class RouterApp:
             url = await self.manager.acquire(entry, self.timeout_for(entry))
         except (LoadFailedError, RouterBusyError) as exc:
             return self.failed(conn, entry, exc)
+        self.manager.hold(conn.abort)
         try:
             parts = urlsplit(url)
             await forward(conn, request, parts.hostname or "127.0.0.1", parts.port or 80, body,
@@ -143,6 +144,7 @@ class RouterApp:
             conn.send_json(502, error_body(f"the engine of {entry.id} did not answer: {exc}; the "
                                            "next request loads it again", 502))
         finally:
+            self.manager.unhold(conn.abort)
             self.manager.release()
         return None
 

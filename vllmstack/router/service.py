@@ -25,7 +25,7 @@ from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner, SubprocessRunner
 from vllmstack.observe.health import identify_server
 from vllmstack.router.catalog import Catalog, build_catalog
-from vllmstack.router.engines import EngineManager, Lifecycle
+from vllmstack.router.engines import DRAIN_TIMEOUT_S, EngineManager, Lifecycle
 from vllmstack.router.http import Connection
 from vllmstack.router.record import remove_record, write_record
 from vllmstack.router.server import RouterApp
@@ -45,15 +45,19 @@ def run_router(project: Project, environ: Mapping[str, str], *, host: str = DEFA
                port: int = DEFAULT_PORT, platform: str | None = None, ttl: float | None = None,
                profiles: Sequence[str] = (), token: str | None = None, out: TextIO | None = None,
                runner: Runner | None = None, runtime: str | None = None,
-               load_timeout: float | None = None,
+               load_timeout: float | None = None, drain_timeout: float | None = None,
                lifecycle: Lifecycle | None = None) -> int:
     """Serve until SIGTERM/SIGINT; 0 after a clean stop. `token` None: ROUTER_TOKEN from
     `environ`, else from .env. `ttl` (seconds, 0 = never) overrides every profile's IDLE_TTL;
     `load_timeout` bounds how long a request waits for its model (default: the profile's
-    UP_TIMEOUT plus the previous engine's stop)."""
+    UP_TIMEOUT plus the previous engine's stop); `drain_timeout` how long a swap waits for the
+    old model's requests before it cuts them (0 = for ever)."""
     out = out or sys.stdout
     if ttl is not None and ttl < 0:
         raise RouterError(f"--ttl {ttl:g} is negative", "give idle seconds, or 0 for never")
+    if drain_timeout is not None and drain_timeout < 0:
+        raise RouterError(f"--drain-timeout {drain_timeout:g} is negative",
+                          "give seconds, or 0 to wait for ever")
     catalog = build_catalog(project, environ, platform=platform, profiles=profiles, ttl=ttl,
                             router_port=port)
     if token is None:
@@ -79,7 +83,9 @@ def run_router(project: Project, environ: Mapping[str, str], *, host: str = DEFA
     lifecycle = lifecycle or StackLifecycle(project, environ, runner or SubprocessRunner(),
                                             say=say, runtime=runtime)
     return asyncio.run(_serve(project, catalog, lifecycle, host=host, port=port, token=token,
-                              load_timeout=load_timeout, say=say))
+                              load_timeout=load_timeout, say=say,
+                              drain_timeout=DRAIN_TIMEOUT_S if drain_timeout is None
+                              else drain_timeout))
 
 
 def local_url(host: str, port: int) -> str:
@@ -90,7 +96,8 @@ def local_url(host: str, port: int) -> str:
 
 
 async def _serve(project: Project, catalog: Catalog, lifecycle: Lifecycle, *, host: str, port: int,
-                 token: str, load_timeout: float | None, say: Callable[[str], None]) -> int:
+                 token: str, load_timeout: float | None, say: Callable[[str], None],
+                 drain_timeout: float = DRAIN_TIMEOUT_S) -> int:
     loop = asyncio.get_running_loop()
     url = local_url(host, port)
     started = time.time()
@@ -102,7 +109,8 @@ async def _serve(project: Project, catalog: Catalog, lifecycle: Lifecycle, *, ho
                                "platform": catalog.platform, "started": started,
                                "auth_required": access.token_required(host, token), **snap})
 
-    manager = EngineManager(catalog, lifecycle, say=say, on_change=record)
+    manager = EngineManager(catalog, lifecycle, say=say, on_change=record,
+                            drain_timeout=drain_timeout)
     app = RouterApp(catalog, manager, token=token, exposed_on=host, load_timeout=load_timeout)
     connections: set[Connection] = set()
     try:
