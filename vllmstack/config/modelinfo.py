@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vllmstack.config.hfconfig import full_attention_layers, text_config
 from vllmstack.config.profiles import Resolved
 from vllmstack.config.weights import estimate_weight_gib
 from vllmstack.core.paths import home_dir
@@ -104,15 +105,9 @@ def locate_model_dir(
     return candidates[0] if candidates else None
 
 
-def _text_config(config: dict[str, Any]) -> dict[str, Any]:
-    """Multimodal checkpoints nest the language model's geometry under text_config."""
-    inner = config.get("text_config")
-    return {**config, **inner} if isinstance(inner, dict) else config
-
-
 def facts_from_config(config: dict[str, Any]) -> dict[str, Any]:
     """Geometry from a Hugging Face config.json (dense, MoE, and GDN/Mamba hybrids)."""
-    cfg = _text_config(config)
+    cfg = text_config(config)
     out: dict[str, Any] = {}
     layers = cfg.get("num_hidden_layers")
     heads = cfg.get("num_attention_heads")
@@ -132,13 +127,7 @@ def facts_from_config(config: dict[str, Any]) -> dict[str, Any]:
     max_pos = cfg.get("max_position_embeddings")
     out["max_position_embeddings"] = max_pos
 
-    layer_types = cfg.get("layer_types")
-    interval = cfg.get("full_attention_interval")
-    full = layers
-    if isinstance(layer_types, list) and layer_types:
-        full = sum(1 for t in layer_types if t in ("full_attention", "attention"))
-    elif interval and layers:
-        full = layers // int(interval)
+    full = full_attention_layers(cfg)
     out["full_attention_layers"] = full
     linear_layers = (layers or 0) - (full or 0)
     hybrid = linear_layers > 0 and "linear_num_value_heads" in cfg

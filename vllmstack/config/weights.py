@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllmstack.config.hfconfig import full_attention_layers, text_config
+
 GIB = 1024**3
 # Bytes per parameter of the quantized formats (4-bit plus group scales, rounded up).
 QUANT_BYTES = {"fp8": 1.0, "awq": 0.56, "gptq": 0.56, "bitsandbytes": 0.56}
@@ -65,21 +67,15 @@ def _vision_params(config: dict[str, Any]) -> int:
 
 def estimate_params(config: dict[str, Any]) -> int | None:
     """Parameters of a checkpoint with this config.json; None if its geometry is incomplete."""
-    inner = config.get("text_config")
-    cfg = {**config, **inner} if isinstance(inner, dict) else config
+    cfg = text_config(config)
     hidden, layers = _int(cfg, "hidden_size"), _int(cfg, "num_hidden_layers")
     vocab = _int(cfg, "vocab_size")
     if not (hidden and layers and vocab and _int(cfg, "num_attention_heads")):
         return None
-    layer_types = cfg.get("layer_types")
-    interval = _int(cfg, "full_attention_interval")
-    if isinstance(layer_types, list) and layer_types:
-        full = sum(1 for t in layer_types if t in ("full_attention", "attention"))
-    elif interval and "linear_num_value_heads" in cfg:
-        full = layers // interval
-    else:
-        full = layers
-    linear = layers - full if "linear_num_value_heads" in cfg else 0
+    # Layers without full attention are Gated DeltaNet layers in a hybrid; elsewhere (sliding
+    # window) they hold the same weights as full-attention ones.
+    hybrid = "linear_num_value_heads" in cfg
+    linear = layers - (full_attention_layers(cfg) or layers) if hybrid else 0
     full = layers - linear
     attention = _attention_params(cfg, hidden)
     mlp = _mlp_params(cfg, hidden)
