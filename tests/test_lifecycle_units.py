@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from vllmstack.config.llamacpp_args import build_llamacpp_argv
 from vllmstack.config.profiles import resolve
 from vllmstack.config.vllm_args import build_serve_argv
 from vllmstack.core.paths import Project
@@ -313,6 +314,26 @@ def test_written_files_are_readable_and_reproducible(project: Project) -> None:
     assert "VLLMSTACK_VLLM_IMAGE=x/y:1" in rendered.env_file.read_text()
     assert rendered.argv_file.read_text().startswith("vllm serve Qwen/Qwen3-0.6B")
     assert "# env/models/qwen3-0.6b.env:" in (project.generated / "resolved.env").read_text()
+
+
+def test_resolved_env_leaves_out_the_other_engines_defaults_only(project: Project) -> None:
+    """A vLLM profile's record does not list llama-server's defaults, but a llama.cpp key a user
+    set is kept with its source; a llama.cpp profile's drops vLLM's flag defaults, not the port."""
+    resolved = resolve(project, platform="cpu", model="qwen3-0.6b",
+                       overrides=["LLAMACPP_CTX=4096"])
+    compose_files.write_rendered(project, resolved, build_serve_argv(resolved), {}, {}, [])
+    text = (project.generated / "resolved.env").read_text()
+    assert "LLAMACPP_FLASH_ATTN" not in text and "LLAMACPP_REF" not in text
+    assert "# --set\nLLAMACPP_CTX=4096\n" in text
+    assert "llama.cpp settings at their defaults (this profile runs ENGINE=vllm)" in text
+    assert "VLLM_ENFORCE_EAGER=0" in text
+    gguf = resolve(project, platform="cpu", model="tiny-gguf", overrides=["MODELS_DIR=/models"])
+    compose_files.write_rendered(project, gguf, build_llamacpp_argv(gguf, host="0.0.0.0"), {}, {},
+                                 [])
+    text = (project.generated / "resolved.env").read_text()
+    assert "VLLM_ENFORCE_EAGER" not in text and "VLLM_KV_CACHE_DTYPE" not in text
+    assert "VLLM_PORT=" in text and "LLAMACPP_FLASH_ATTN=auto" in text and "LLAMACPP_CTX=8192" in text
+    assert "vLLM settings at their defaults (this profile runs ENGINE=llamacpp)" in text
 
 
 def test_runtime_detection_order_and_override() -> None:

@@ -196,9 +196,31 @@ def write_rendered(
     write_text(env_path, header + env_text)
     argv_path = folder / "vllm-argv.txt"
     write_text(argv_path, command.shell() + "\n")
-    write_text(folder / "resolved.env", header + "".join(
-        _resolved_entry(k, s.value, s.source) for k, s in sorted(resolved.values.items())))
+    write_text(folder / "resolved.env", header + _resolved_text(resolved))
     return Rendered(folder, override_path, env_path, argv_path, notes)
+
+
+def _resolved_text(resolved: Resolved) -> str:
+    """Every setting with the file:line that set it, less the other engine's keys left at their
+    defaults: a vLLM profile's record need not list fifteen llama-server defaults it never
+    passes (nor the reverse). One of them that a layer set is kept: it is in the user's files."""
+    llamacpp = engine_of(resolved) == LLAMACPP
+    schema = resolved.schema or load_schema()
+    kept, left = [], 0
+    for key, setting in sorted(resolved.values.items()):
+        spec = schema.get(key)
+        # All of llama.cpp's keys are its own; of vLLM's, VLLM_PORT and a few more serve both.
+        other = (spec is not None and spec.becomes == "vllm-flag") if llamacpp else key.startswith(
+            "LLAMACPP_")
+        if other and setting.source == "default":
+            left += 1
+            continue
+        kept.append(_resolved_entry(key, setting.value, setting.source))
+    if left:
+        engine = "vLLM" if llamacpp else "llama.cpp"
+        kept.insert(0, f"# Not listed: {left} {engine} settings at their defaults "
+                       f"(this profile runs ENGINE={engine_of(resolved)}).\n")
+    return "".join(kept)
 
 
 def _resolved_entry(key: str, value: str, source: str) -> str:
