@@ -26,7 +26,7 @@ from conftest import need
 from dotenv import dotenv_values
 from dotenv.parser import parse_stream
 from helpers import DOCKER
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from vllmstack.config import migrate
@@ -106,7 +106,9 @@ def test_resolved_env_holds_exact_values_and_never_more(project: Project, value:
     resolved.values["ZZ_LAST"] = Setting("ZZ_LAST", "end", f"x{value}")  # a source is a comment
     compose_files.write_rendered(project, resolved, build_serve_argv(resolved), {}, {}, [])
     parsed = dotenv_values(project.generated / "resolved.env")
-    expected = {k: s.value for k, s in resolved.values.items()}
+    # llama.cpp's keys at their defaults are left out of a vLLM profile's record (said in a comment).
+    expected = {k: s.value for k, s in resolved.values.items()
+                if not (k.startswith("LLAMACPP_") and s.source == "default")}
     if env_value_problem(value) is not None:
         del expected[key]  # written as a JSON comment instead
     assert parsed == expected
@@ -272,10 +274,14 @@ def test_compose_reads_the_override_back_exactly(project: Project, flavour: str)
 
     @SLOW
     @given(batch=_batches(flavour))
+    @example(batch=["\ud800"])  # found by hypothesis: PyYAML writes "\ud800", Compose refuses it
     def check(batch: list[str]) -> None:
         words = " ".join(shlex.quote(f"MY_VAR_{i}={v}") for i, v in enumerate(batch))
         resolved = resolve(project, platform="cpu", model="qwen3-0.6b", environ=ENVIRON,
                            overrides=[f"ENGINE_ENV={words}"], schema=SCHEMA)
+        if any(0xD800 <= ord(c) <= 0xDFFF for c in words):  # bytes from argv that are not UTF-8
+            assert {"not-utf8"} <= {p.code for p in resolved.problems}  # `up` stops at the check
+            return
         command = build_serve_argv(resolved)
         paths = engine_env.stack_paths(resolved, ENVIRON)
         override, _ = compose_files.build_override(project, resolved, command, runtime="compose",
