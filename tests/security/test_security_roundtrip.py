@@ -61,6 +61,11 @@ def _dotenv_file(tmp_path: Path, text: str) -> dict[str, str | None]:
     return dotenv_values(path)  # python-dotenv as Compose v1 and podman-compose call it
 
 
+def _not_utf8(value: str) -> bool:
+    """Holds a surrogate: bytes from argv that are not UTF-8 (`check` refuses them: not-utf8)."""
+    return any(0xD800 <= ord(c) <= 0xDFFF for c in value)
+
+
 def _refused_for_a_reason(value: str) -> bool:
     return any(c in value for c in "'\\$") or any(
         ord(c) < 32 or 127 <= ord(c) < 160 or 0xD800 <= ord(c) <= 0xDFFF for c in value)
@@ -158,7 +163,7 @@ def test_override_yaml_reads_back_as_the_settings_say(project: Project, value: s
             f"ENGINE_ENV={shlex.quote('MY_VAR=' + value)}", f"MODELS_DIR=/m{value}"]
     resolved = resolve(project, platform="cpu", model="qwen3-0.6b", overrides=sets,
                        environ=ENVIRON, schema=SCHEMA)
-    if any(0xD800 <= ord(c) <= 0xDFFF for c in value):  # bytes from argv that are not UTF-8
+    if _not_utf8(value):
         assert {"not-utf8"} <= {p.code for p in resolved.problems}  # `up` stops at the check
         return
     override, argv = _override(project, resolved)
@@ -279,7 +284,7 @@ def test_compose_reads_the_override_back_exactly(project: Project, flavour: str)
         words = " ".join(shlex.quote(f"MY_VAR_{i}={v}") for i, v in enumerate(batch))
         resolved = resolve(project, platform="cpu", model="qwen3-0.6b", environ=ENVIRON,
                            overrides=[f"ENGINE_ENV={words}"], schema=SCHEMA)
-        if any(0xD800 <= ord(c) <= 0xDFFF for c in words):  # bytes from argv that are not UTF-8
+        if _not_utf8(words):
             assert {"not-utf8"} <= {p.code for p in resolved.problems}  # `up` stops at the check
             return
         command = build_serve_argv(resolved)
