@@ -67,8 +67,8 @@ def _not_utf8(value: str) -> bool:
 
 
 def _refused_for_a_reason(value: str) -> bool:
-    return any(c in value for c in "'\\$") or any(
-        ord(c) < 32 or 127 <= ord(c) < 160 or 0xD800 <= ord(c) <= 0xDFFF for c in value)
+    return any(c in value for c in "'\\$") or _not_utf8(value) or any(
+        ord(c) < 32 or 127 <= ord(c) < 160 for c in value)
 
 
 @FAST

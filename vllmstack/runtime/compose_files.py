@@ -202,9 +202,10 @@ def write_rendered(
 
 def _resolved_text(resolved: Resolved) -> str:
     """Every setting with the file:line that set it, less the other engine's keys left at their
-    defaults: a vLLM profile's record need not list fifteen llama-server defaults it never
+    defaults: a vLLM profile's record need not list the sixteen llama-server defaults it never
     passes (nor the reverse). One of them that a layer set is kept: it is in the user's files."""
-    llamacpp = engine_of(resolved) == LLAMACPP
+    engine = engine_of(resolved)
+    llamacpp = engine == LLAMACPP
     schema = resolved.schema or load_schema()
     kept, left = [], 0
     for key, setting in sorted(resolved.values.items()):
@@ -217,9 +218,9 @@ def _resolved_text(resolved: Resolved) -> str:
             continue
         kept.append(_resolved_entry(key, setting.value, setting.source))
     if left:
-        engine = "vLLM" if llamacpp else "llama.cpp"
-        kept.insert(0, f"# Not listed: {left} {engine} settings at their defaults "
-                       f"(this profile runs ENGINE={engine_of(resolved)}).\n")
+        others = "vLLM" if llamacpp else "llama.cpp"
+        kept.insert(0, f"# Not listed: {left} {others} settings at their defaults "
+                       f"(this profile runs ENGINE={engine}).\n")
     return "".join(kept)
 
 
