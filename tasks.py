@@ -16,8 +16,10 @@ from invoke import Context
 from vllmstack.cli.common import (
     JSON_HELP,
     PROFILE_HELP,
+    RUNNING_HELP,
     Opt,
     Sets,
+    follow_here,
     make_runner,
     print_json,
     project_here,
@@ -98,9 +100,12 @@ def _lifecycle() -> Any:
     return lifecycle
 
 
-def _stack(model: Opt, platform: Opt, sets: Sets, runtime: Opt, dry_run: bool = False) -> Any:
-    return _lifecycle().open_stack(_project(), _resolve(model, platform, sets), os.environ,
-                                   _runner(dry_run), runtime=runtime)
+def _stack(model: Opt, platform: Opt, sets: Sets, runtime: Opt, dry_run: bool = False,
+           follow: bool = True) -> Any:
+    """`follow`: the running stack's profile where no flag names one (all but `up`)."""
+    resolved = (follow_here if follow else _resolve)(model, platform, sets)
+    return _lifecycle().open_stack(_project(), resolved, os.environ, _runner(dry_run),
+                                   runtime=runtime)
 
 
 @stack_task(iterable=["set"], help={**PROFILE_HELP, **JSON_HELP, "runtime": LIFECYCLE_HELP["runtime"]})
@@ -125,7 +130,7 @@ def up(c: Context, model: Opt = None, platform: Opt = None, set: Sets = None, ru
        no_dashboard: bool = False, dry_run: bool = False) -> None:
     """Guards (one engine resident), render, start, wait for /health (diagnosing a crash), warm up."""
     lifecycle = _lifecycle()
-    stack = _stack(model, platform, set, runtime, dry_run)
+    stack = _stack(model, platform, set, runtime, dry_run, follow=False)
     result = lifecycle.up(stack, timeout=timeout, force=force, dashboard=not no_dashboard,
                           dry_run=dry_run, stop_other=stop_other)
     if not dry_run:
@@ -133,7 +138,8 @@ def up(c: Context, model: Opt = None, platform: Opt = None, set: Sets = None, ru
 
 
 @stack_task(iterable=["set"],
-            help={**LIFECYCLE_HELP, "timeout": "seconds to wait for GPU memory release"})
+            help={**LIFECYCLE_HELP, **RUNNING_HELP,
+                  "timeout": "seconds to wait for GPU memory release"})
 def down(c: Context, model: Opt = None, platform: Opt = None, set: Sets = None, runtime: Opt = None,
          timeout: float = 120.0, dry_run: bool = False) -> None:
     """Stop everything the stack started and wait until GPU memory is released."""
@@ -141,7 +147,7 @@ def down(c: Context, model: Opt = None, platform: Opt = None, set: Sets = None, 
 
 
 @stack_task(iterable=["set"],
-            help={**PROFILE_HELP, **JSON_HELP, "runtime": LIFECYCLE_HELP["runtime"]})
+            help={**RUNNING_HELP, **JSON_HELP, "runtime": LIFECYCLE_HELP["runtime"]})
 def status(c: Context, model: Opt = None, platform: Opt = None, set: Sets = None,
            runtime: Opt = None, json: bool = False) -> None:
     """Containers (or processes), health, served model and KV cache usage."""
@@ -150,7 +156,7 @@ def status(c: Context, model: Opt = None, platform: Opt = None, set: Sets = None
     _print_json(report) if json else print(lifecycle.render_status(report))
 
 
-@stack_task(iterable=["set"], help={**PROFILE_HELP, "runtime": LIFECYCLE_HELP["runtime"],
+@stack_task(iterable=["set"], help={**RUNNING_HELP, "runtime": LIFECYCLE_HELP["runtime"],
                                     "follow": "keep following (default)", "service": "vllm or dashboard",
                                     "tail": "lines of history to show"})
 def logs(c: Context, model: Opt = None, platform: Opt = None, set: Sets = None, runtime: Opt = None,

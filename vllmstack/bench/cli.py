@@ -72,10 +72,15 @@ def resolve_target(args: argparse.Namespace, project: Project,
         return target_from_url(args.url, args.model, tokenizer=args.tokenizer,
                                max_num_seqs=args.max_num_seqs, api_key=api_key)
     from vllmstack.config.profiles import ProfileError, resolve
+    from vllmstack.serve.running import resolve_following
 
     try:
-        resolved = resolve(project, platform=args.platform, model=args.profile,
-                           overrides=args.set, environ=environ)
+        # Without --url, the stack that runs: the profile `up` recorded, not .env's (issue 23).
+        resolved = (resolve(project, platform=args.platform, model=args.profile,
+                            overrides=args.set, environ=environ) if args.url else
+                    resolve_following(project, model=args.profile, platform=args.platform,
+                                      overrides=args.set, environ=environ,
+                                      say=lambda line: print(line, file=sys.stderr)))
     except ProfileError as exc:
         raise CliError(f"{exc} (or pass --url and --model to target any server)") from exc
     target = target_from_profile(resolved, url=args.url, model=args.model,

@@ -16,6 +16,11 @@ from vllmstack.core.runner import SubprocessRunner
 PROFILE_HELP = {"model": "model profile (env/models/NAME.env); default: MODEL_PROFILE in .env",
                 "platform": "platform layer (env/platforms/NAME.env); default: PLATFORM in .env",
                 "set": "KEY=VALUE override, repeatable; applied last"}
+# The commands that talk to the running stack (status, logs, down) default to what runs.
+RUNNING_HELP = {**PROFILE_HELP,
+                "model": "model profile; default: the running stack's (generated/state.json), "
+                         "else MODEL_PROFILE in .env",
+                "platform": "platform layer; default: the running stack's, else PLATFORM in .env"}
 JSON_HELP = {"json": "print JSON instead of text"}
 Opt = str | None  # a flag that may be left out
 Sets = list[str] | None  # --set KEY=VALUE, repeatable
@@ -27,6 +32,16 @@ make_runner = SubprocessRunner  # make_runner(dry_run)
 def resolve_here(model: Opt, platform: Opt, sets: Sets) -> Resolved:
     return resolve(project_here(), platform=platform, model=model, overrides=sets or [],
                    environ=os.environ)
+
+
+def follow_here(model: Opt, platform: Opt, sets: Sets) -> Resolved:
+    """For the commands that talk to the running stack: its recorded profile and platform where
+    the flags name none (serve.running), .env's only when nothing runs; a note on stderr when the
+    two differ."""
+    from vllmstack.serve.running import resolve_following
+
+    return resolve_following(project_here(), model=model, platform=platform, overrides=sets or [],
+                             environ=os.environ, say=lambda line: print(line, file=sys.stderr))
 
 
 def print_json(data: Any) -> None:

@@ -17,6 +17,7 @@ from vllmstack.bench.target import TargetError, dashboard_target, int_or_none
 from vllmstack.config.profiles import ProfileError, Resolved, resolve
 from vllmstack.core.paths import Project
 from vllmstack.dashboard.app import DashboardError, DashboardSettings
+from vllmstack.serve.running import resolve_following
 
 
 def _env_int(environ: Mapping[str, str], key: str) -> int | None:
@@ -122,8 +123,11 @@ def settings_for_stack(
     only a note: every setting then takes its schema default.
     """
     try:
-        resolved = resolve(project, platform=platform, model=model, overrides=list(sets),
-                           environ=environ)
+        # Against the stack's own engine: the profile that runs (serve.running), not .env's.
+        resolved = (resolve(project, platform=platform, model=model, overrides=list(sets),
+                            environ=environ) if engine_url is not None else
+                    resolve_following(project, model=model, platform=platform, overrides=sets,
+                                      environ=environ, say=lambda s: print(s, file=sys.stderr)))
     except ProfileError as exc:
         if engine_url is None:
             raise

@@ -36,6 +36,7 @@ from vllmstack.serve.guards import (
     wait_gpu_release,
     wait_gpu_settled,
 )
+from vllmstack.serve.running import recorded_overrides
 from vllmstack.serve.stack import LifecycleError, Stack, open_stack
 from vllmstack.serve.state import STATE_FILE, read_state, write_state
 from vllmstack.serve.watch import Progress, wait_until_healthy, warm_up
@@ -152,6 +153,7 @@ def _up(stack: Stack, *, timeout: float | None, force: bool, dashboard: bool,
         "engine": engine_of(resolved),
         "compose_project": stack.compose_project,
         "profile": resolved.profile, "platform": resolved.platform,
+        "sets": recorded_overrides(resolved),
         "argv": command.argv, "url": stack.url, "served_name": stack.served_name,
         "started": time.time(), "gpu_used_before": baseline,
     })
@@ -253,8 +255,11 @@ def status(stack: Stack) -> dict[str, Any]:
         "model": model,
         "max_model_len": max_len,
         "url": stack.url,
-        "profile": recorded.get("profile", stack.resolved.profile),
-        "platform": recorded.get("platform", stack.resolved.platform),
+        # What `up` started, as generated/state.json records it: after `down` nothing is, and
+        # the profile .env selects must not read as if it ran.
+        "profile": recorded.get("profile"),
+        "platform": recorded.get("platform"),
+        "selected": {"profile": stack.resolved.profile, "platform": stack.resolved.platform},
         "state": state.status,
         "restarts": state.restart_count,
         "containers": stack.engine.members(),
@@ -277,8 +282,13 @@ def status(stack: Stack) -> dict[str, Any]:
 def render_status(report: dict[str, Any]) -> str:
     health = "healthy" if report["healthy"] else ("running, not healthy" if report["running"]
                                                   else report["state"])
-    lines = [f"engine: {health} ({report['runtime']}, profile {report['profile']} on "
-             f"{report['platform']})", f"url:    {report['url']}"]
+    if report["profile"]:
+        what = f"{report['runtime']}, profile {report['profile']} on {report['platform']}"
+    else:
+        chosen = report.get("selected") or {}
+        what = (f"{report['runtime']}; nothing started by `invoke up` here; `invoke up` would "
+                f"start {chosen.get('profile')} on {chosen.get('platform')}")
+    lines = [f"engine: {health} ({what})", f"url:    {report['url']}"]
     if report["model"]:
         lines.append(f"model:  {report['model']} (max_model_len {report['max_model_len']})")
     if report["kv_cache_usage"] is not None:

@@ -21,6 +21,7 @@ FIELDS: dict[str, tuple[type, ...]] = {
     "runtime": (str,), "flavour": (str,), "compose_project": (str, type(None)),
     "profile": (str,), "platform": (str,), "argv": (list,), "url": (str,),
     "served_name": (str,), "started": (int, float), "gpu_used_before": (int, type(None)),
+    "sets": (list,),  # the --set overrides (serve.running: later commands resolve the same)
 }
 
 
