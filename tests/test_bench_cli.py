@@ -55,7 +55,7 @@ def test_bench_json_contract_and_history(sim: SimProcess, tokenizer_file: Path,
         # pp is one estimate with its uncertainty and interval (or null with a note)
         assert set(row["pp_tps"]) >= {"mean", "std", "min", "max"}
         assert row["pp_note"] is None and row["pp_uncertainty_ms"] >= 0
-    stored = history.read_records(tmp_path / "benchmarks" / "bench_history.jsonl")
+    stored = history.read_records(tmp_path / "results" / "bench_history.jsonl")
     assert len(stored) == 1 and stored[0]["id"] == data["id"]
 
 
@@ -72,7 +72,7 @@ def test_target_comes_from_the_profile_without_url(sim: SimProcess, tokenizer_fi
     assert record["from_profile"] is True
     assert record["profile"] and record["platform"]
     assert record["pins"]["VLLM_REF"]  # the build pins travel with every record
-    assert (project.benchmarks / "bench_history.jsonl").is_file()
+    assert (project.results / "bench_history.jsonl").is_file()
 
 
 def test_report_renders_markdown_and_png(sim: SimProcess, tokenizer_file: Path,

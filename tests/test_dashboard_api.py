@@ -554,7 +554,7 @@ def test_settings_for_stack_profile_and_fallback(project: Project, tmp_path: Pat
     s = settings_for_stack(project, {}, model="qwen3-0.6b", platform="cpu",
                            sets=["VLLM_PORT=8111", "VLLM_MAX_NUM_SEQS=5"], port="9001")
     assert (s.engine_url, s.port, s.max_num_seqs) == ("http://127.0.0.1:8111", 9001, 5)
-    assert s.history_dir == project.benchmarks
+    assert s.history_dir == project.results
     # No profile at all: an error, unless --engine-url says where the engine is; then every
     # setting takes its schema default and a note says so.
     empty = Project(tmp_path / "empty")

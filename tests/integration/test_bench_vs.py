@@ -143,7 +143,7 @@ def test_two_targets_one_at_a_time_with_complete_rows_and_a_failed_start(sims: S
     # Nothing is left running, and the stack's state is clear.
     assert read_state(sims.project) is None
     # JSON history and both markdown files.
-    folder = sims.project.benchmarks
+    folder = sims.project.results
     (stored,) = history.read_records(history.history_path(folder, "bench-vs"))
     assert stored["status"] == "failed" and len(stored["rows"]) == 3
     results_md = (folder / "bench-vs-results.md").read_text()

@@ -42,8 +42,8 @@ def test_burn_runs_every_profile_of_the_platform_and_a_crash_is_a_fail_row(sims:
     assert "exited with code 1" in crash["diagnosis"]
     assert "out of memory for the KV cache" in crash["diagnosis"] and crash["fix"]
     assert result.failed and read_state(sims.project) is None
-    # Markdown under benchmarks/ (the day's file and the latest) and JSON history.
-    folder = sims.project.benchmarks
+    # Markdown under results/ (the day's file and the latest) and JSON history.
+    folder = sims.project.results
     latest = (folder / "burn-latest.md").read_text()
     dated = folder / f"burn-{today(result.record['started'])}.md"
     assert latest.split("\n", 2)[2] in dated.read_text()  # the same section, appended

@@ -48,7 +48,7 @@ from vllmstack.bench.target import Target, target_from_profile
 from vllmstack.config.engine import display_name, engine_of
 from vllmstack.config.profiles import available, list_profiles, resolve
 from vllmstack.core.errors import StackError
-from vllmstack.core.paths import Project
+from vllmstack.core.paths import Project, results_folder
 from vllmstack.core.runner import Runner, SubprocessRunner
 
 KIND = "burn"
@@ -152,7 +152,7 @@ def run_burn(
                     "max_tokens": max_tokens, "timeout_s": timeout_s},
         "rows": rows,
     }
-    folder = history_dir or project.benchmarks
+    folder = history_dir or results_folder(project)
     stored = history.append_record(history.history_path(folder, KIND), record)
     return BurnResult(stored, [history.history_path(folder, KIND), *write_markdown(folder, stored)])
 

@@ -43,7 +43,7 @@ from vllmstack.bench.stability import run_stability
 from vllmstack.bench.target import Target, target_from_profile, target_from_url
 from vllmstack.bench.verdict import Verdict
 from vllmstack.core.errors import StackError
-from vllmstack.core.paths import Project
+from vllmstack.core.paths import Project, results_folder
 
 EXIT_USAGE = 2
 # Subcommand (or alias) -> run kind.
@@ -94,7 +94,7 @@ def _history_dir(args: argparse.Namespace, project: Project) -> Path | None:
     if getattr(args, "no_history", False):
         return None
     folder: Path | None = args.history_dir
-    return folder if folder is not None else project.benchmarks
+    return folder if folder is not None else results_folder(project)
 
 
 def _load_builder(target: Target, environ: Mapping[str, str], required: bool
@@ -158,7 +158,7 @@ def _options(args: argparse.Namespace) -> RunOptions:
 async def _dispatch(args: argparse.Namespace, project: Project, environ: Mapping[str, str],
                     out: TextIO, progress: Callable[[str], None]) -> int:
     if args.command == "report":
-        folder = args.history_dir or project.benchmarks
+        folder = args.history_dir or results_folder(project)
         chart_dir = (args.out.parent if args.out else project.generated / "report") \
             if args.png else None
         text, charts = build_report(folder, args.kind, last=args.last, chart_dir=chart_dir,

@@ -52,7 +52,7 @@ from vllmstack.bench.vs_report import assign_pairs, checkpoint_of, spec_draft, w
 from vllmstack.config.engine import DISPLAY, LLAMACPP, VLLM, engine_of
 from vllmstack.config.profiles import Resolved, resolve
 from vllmstack.core.errors import StackError
-from vllmstack.core.paths import Project
+from vllmstack.core.paths import Project, results_folder
 from vllmstack.core.runner import Runner, SubprocessRunner
 
 ENGINES = (VLLM, LLAMACPP)
@@ -191,7 +191,7 @@ def run_bench_vs(
         "options": asdict(opts),
         "rows": rows,
     }
-    folder = history_dir or project.benchmarks
+    folder = history_dir or results_folder(project)
     stored = history.append_record(history.history_path(folder, KIND), record)
     written = [history.history_path(folder, KIND), *write_markdown(folder, stored)]
     return VsResult(stored, written)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from vllmstack.bench.target import TargetError, dashboard_target, int_or_none
 from vllmstack.config.profiles import ProfileError, Resolved, resolve
-from vllmstack.core.paths import Project
+from vllmstack.core.paths import Project, results_folder
 from vllmstack.dashboard.app import DashboardError, DashboardSettings
 from vllmstack.serve.running import resolve_following
 
@@ -137,7 +137,7 @@ def settings_for_stack(
         port_number = int(port) if port else None  # invoke hands over the flag's text
     except ValueError as exc:
         raise DashboardError(f"--port must be a number, got {port!r}") from exc
-    return settings_from_profile(resolved, project.benchmarks, host=host, port=port_number,
+    return settings_from_profile(resolved, results_folder(project), host=host, port=port_number,
                                  engine_url=engine_url, tokenizer=tokenizer)
 
 

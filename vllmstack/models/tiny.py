@@ -342,4 +342,7 @@ def render_made(model: MadeModel) -> str:
         f"{model.vocab}, {model.bytes / 2**20:.1f} MiB"
         + (f" in {model.seconds:.1f} s" if model.made else ""),
         f"  files: {model.folder}",
-        "serve it: invoke up --platform cpu --model tiny"])
+        # The native runtime: the container runtime's image (`invoke build --platform cpu`) is
+        # not there on a fresh machine, and its build is not the quick start.
+        "serve it: invoke up --runtime native --platform cpu --model tiny "
+        "(vLLM's CPU build first: invoke install-engine --platform cpu)"])

@@ -24,7 +24,7 @@ from vllmstack.config.engine import LLAMACPP, engine_image, engine_of
 from vllmstack.config.profiles import Resolved
 from vllmstack.config.vllm_args import ServeCommand
 from vllmstack.core.errors import StackError
-from vllmstack.core.paths import Project
+from vllmstack.core.paths import Project, results_folder
 from vllmstack.core.runner import Result, Runner
 from vllmstack.image import build
 from vllmstack.runtime import compose_files, dashboard_image, engine_env, flavours
@@ -288,9 +288,15 @@ class ComposeEngine:
         project, resolved = self._stack()
         image = engine_image(resolved)
         llamacpp = engine_of(resolved) == LLAMACPP
-        if not dry_run and not self.image_exists(image):
-            raise ComposeError(f"the engine image {image} does not exist on this host",
-                               missing_image_fix(resolved, image, self.cli.engine))
+        present = self.image_exists(image)
+        if not present:
+            missing = ComposeError(f"the engine image {image} does not exist on this host",
+                                   missing_image_fix(resolved, image, self.cli.engine))
+            if not dry_run:
+                raise missing
+            # A dry run goes on to show the plan, but says first what the real `up` stops at.
+            print(f"(dry run) {missing.cause}: `invoke up` stops here; {missing.fix}",
+                  file=self.out)
         labels = build.read_image_labels(self.runner, self.cli.engine, image)
         if llamacpp:
             problem = llamacpp_image_problem(resolved, labels or {})
@@ -307,7 +313,7 @@ class ComposeEngine:
         override, notes = compose_files.build_override(
             project, resolved, command, runtime=self.cli.runtime, ids=ids, paths=paths,
             package_dir=None if llamacpp else (labels or {}).get(PACKAGE_LABEL),
-            host=flavours.probe_host())
+            host=flavours.probe_host(), image_present=present)
         env = compose_files.interpolation_env(resolved, ids, paths)
         rendered = compose_files.write_rendered(project, resolved, command, override, env, notes)
         for note in notes:
@@ -352,6 +358,13 @@ class ComposeEngine:
         image = resolved.get_str("DASHBOARD_IMAGE")
         if not self.image_exists(image):
             self.build_dashboard_image(project, resolved, image)
+        # compose.yaml mounts ./results (the history): made here, as the stack's user, before
+        # the engine would make a missing one root's.
+        made = not project.results.is_dir()
+        results = results_folder(project)
+        if made and os.geteuid() == 0:
+            ids = engine_env.detect_host_ids(resolved)
+            os.chown(results, ids.uid, ids.gid)
         result = self._run_compose(*self._profile(), *self._run_args(DASHBOARD_SERVICE), "up", "-d",
                                    "--no-deps", DASHBOARD_SERVICE, timeout=300)
         if result.ok and self._did_not_start(DASHBOARD_SERVICE):

@@ -57,6 +57,7 @@ def build_override(
     package_dir: str | None,
     schema: Schema | None = None,
     host: flavours.Host | None = None,
+    image_present: bool = True,
 ) -> tuple[dict[str, Any], list[str]]:
     """The per-profile compose override as a dict, and notes on what was left out and why.
 
@@ -100,7 +101,7 @@ def build_override(
         for path in sorted((project.root / "fp8_configs").glob("*.json")):
             if device and f"device_name={device}," in path.name:
                 volumes.append(f"{path}:{package_dir}/{FP8_CONFIG_DIR}/{path.name}:ro")
-    else:
+    elif image_present:  # a missing image has no labels at all; `prepare` says it is missing
         notes.append("the engine image has no vllmstack.vllm-package label (not a vllmstack build): "
                      "runtime overlays and fp8 tuned configs are not mounted")
     if volumes:
