@@ -72,3 +72,25 @@ def test_up_dry_run_with_a_missing_image_says_it_is_missing_and_how_to_build_it(
     assert "localhost/vllm-cpu:latest does not exist on this host" in said
     assert "invoke build --platform cpu" in said
     assert "vllm-package label" not in said  # the old, misleading reason
+
+
+def test_bench_vs_picks_the_platform_every_target_is_made_for(project: Project) -> None:
+    from vllmstack.bench.target import TargetError, shared_platform
+
+    # .env.example selects 2xr9700; tiny and tiny-gguf are made for cpu only.
+    chosen, note = shared_platform(project, {}, ["tiny", "tiny-gguf"], None)
+    assert chosen == "cpu" and note and "2xr9700" in note
+    assert shared_platform(project, {}, ["qwen3-0.6b"], None) == (None, None)  # .env's fits
+    assert shared_platform(project, {}, ["tiny"], "nvidia") == ("nvidia", None)  # given wins
+    try:
+        shared_platform(project, {}, ["tiny", "qwen3.8-27b"], None)
+    except TargetError as exc:
+        assert "share: none" in exc.cause and exc.fix
+    else:
+        raise AssertionError("profiles made for no common platform must be refused")
+    try:
+        shared_platform(project, {}, ["qwen3.6-27b-gguf", "qwen3.5-9b-gguf"], None)
+    except TargetError as exc:
+        assert "--platform" in (exc.fix or "") and "nvidia" in exc.cause
+    else:
+        raise AssertionError("several shared platforms, none .env's: ask which")

@@ -234,3 +234,24 @@ def test_vllm_simulator_against_the_real_llama_server_on_identical_weights(
     assert llama["ctx"]["prompt_tokens"]["mean"] - llama["overhead"]["prompt_tokens"] == 1500 - 16
     assert sims.started() == [{"port": sims.ports["sim-tiny"], "busy": []}]  # llama-server gone
     assert read_state(sims.project) is None
+
+
+# --- a newcomer's bench-vs (issue 23) ------------------------------------------------------------
+
+
+def test_a_run_that_measured_nothing_is_not_added_to_the_history(sims: Sims) -> None:
+    result, log = run(sims, "vllm:sim-crash")
+    assert result.failed and result.written == []  # type: ignore[attr-defined]
+    assert "nothing was added to the history" in log
+    assert not history.history_path(sims.project.results, "bench-vs").exists()
+    assert not (sims.project.results / "bench-vs-history.md").exists()
+
+
+def test_without_platform_the_targets_own_platform_is_used(sims: Sims) -> None:
+    """.env says 2xr9700 (as .env.example does); every target is made for cpu only."""
+    dotenv = sims.root / ".env"
+    dotenv.write_text(dotenv.read_text().replace("PLATFORM=cpu", "PLATFORM=2xr9700"))
+    result, log = run(sims, "vllm:sim-a")
+    assert [r["status"] for r in result.rows] == ["ok"]  # type: ignore[attr-defined]
+    assert result.record["platform"] == "cpu"  # type: ignore[attr-defined]
+    assert "platform cpu: every target is made for it" in log and "2xr9700" in log

@@ -7,12 +7,14 @@ so every profile key the benchmarks and the dashboard read is read in one module
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllmstack.config.profiles import Resolved
+from vllmstack.config.profiles import Resolved, resolve
 from vllmstack.core.errors import StackError
+from vllmstack.core.paths import Project
 
 PIN_KEY = re.compile(r"^[A-Z0-9_]+_(REF|VERSION|IMAGE)$")
 
@@ -49,6 +51,43 @@ class Target:
             "pins": dict(self.pins),
             "from_profile": self.from_profile,
         }
+
+
+def made_for(resolved: Resolved) -> set[str]:
+    """The platforms a model profile declares (PROFILE_PLATFORMS); empty: it names none."""
+    return {p.strip() for p in (resolved.get("PROFILE_PLATFORMS") or "").split(",") if p.strip()}
+
+
+def shared_platform(project: Project, environ: Mapping[str, str], profiles: Sequence[str],
+                    platform: str | None) -> tuple[str | None, str | None]:
+    """The platform to run several profiles on when --platform is not given: .env's when every
+    profile is made for it, else the one platform they are all made for (with a note saying so).
+
+    Returns (platform, note); (platform, None) when given or .env's fits. TargetError when the
+    profiles are made for several platforms but not .env's, or share none: a run on a platform
+    the profiles are not made for fails profile by profile, after minutes of starting engines."""
+    if platform is not None or not profiles:
+        return platform, None
+    default = None
+    wanted: set[str] | None = None
+    for name in profiles:
+        resolved = resolve(project, model=name, environ=environ)
+        default = resolved.platform
+        declared = made_for(resolved)
+        if declared:
+            wanted = declared if wanted is None else wanted & declared
+    if wanted is None or (default is not None and default in wanted):
+        return None, None
+    if len(wanted) == 1:
+        (only,) = wanted
+        return only, (f"note: platform {only}: every target is made for it (PROFILE_PLATFORMS), "
+                      f"not for .env's {default}; --platform picks another")
+    listed = ", ".join(sorted(wanted)) or "none"
+    raise TargetError(
+        f"the profiles {', '.join(profiles)} are not all made for .env's platform {default} "
+        f"(PROFILE_PLATFORMS); the platforms they share: {listed}",
+        f"pass --platform NAME ({listed})" if wanted else
+        "pick profiles made for one platform (invoke profiles lists them), or pass --platform")
 
 
 def pins_of(resolved: Resolved) -> dict[str, str]:

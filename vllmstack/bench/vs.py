@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, TextIO
@@ -47,7 +47,7 @@ from vllmstack.bench.resident import (
 )
 from vllmstack.bench.runs import find_served_model, live_max_model_len, run_bench
 from vllmstack.bench.session import Progress, RunError, RunOptions, measure_overhead
-from vllmstack.bench.target import Target, target_from_profile
+from vllmstack.bench.target import Target, shared_platform, target_from_profile
 from vllmstack.bench.vs_report import assign_pairs, checkpoint_of, spec_draft, write_markdown
 from vllmstack.config.engine import DISPLAY, LLAMACPP, VLLM, engine_of
 from vllmstack.config.profiles import Resolved, resolve
@@ -114,13 +114,18 @@ def parse_target(text: str) -> tuple[str, str]:
 
 
 def resolve_targets(project: Project, environ: Mapping[str, str], targets: Sequence[str],
-                    platform: str | None) -> list[VsTarget]:
-    """Every target resolved before anything starts: a typo must not cost a model load first."""
+                    platform: str | None, say: Callable[[str], None] | None = None
+                    ) -> list[VsTarget]:
+    """Every target resolved before anything starts: a typo must not cost a model load first.
+    Without `platform`, the one every target is made for when .env's is not (`say` is told)."""
     if not targets:
         raise VsError("no targets", "give at least one, e.g. -t vllm:tiny -t llamacpp:tiny-gguf")
+    parsed = [(text, *parse_target(text)) for text in targets]
+    platform, note = shared_platform(project, environ, [p for _, _, p in parsed], platform)
+    if note and say is not None:
+        say(note)
     out = []
-    for text in targets:
-        engine, profile = parse_target(text)
+    for text, engine, profile in parsed:
         resolved = resolve(project, platform=platform, model=profile, environ=environ)
         declared = engine_of(resolved)
         if declared != engine:
@@ -159,7 +164,8 @@ def run_bench_vs(
     before anything starts; failures of single targets are rows, not exceptions."""
     opts = VsOptions(ctx, concurrency, think, pp, tg, runs, duration_s, timeout_s)
     opts.check()
-    chosen = resolve_targets(project, environ, targets, platform)
+    chosen = resolve_targets(project, environ, targets, platform,
+                             say=lambda line: print(line, file=out, flush=True))
     ensure_idle(project)
     runner = runner or SubprocessRunner()
     started_at = time.time()
@@ -191,6 +197,11 @@ def run_bench_vs(
         "options": asdict(opts),
         "rows": rows,
     }
+    if not any(r["status"] in ("ok", "partial") for r in rows):
+        # Nothing was measured: a history of diagnoses would read as results (issue 23).
+        print("bench-vs: no target was measured, so nothing was added to the history",
+              file=out, flush=True)
+        return VsResult(record, [])
     folder = history_dir or results_folder(project)
     stored = history.append_record(history.history_path(folder, KIND), record)
     written = [history.history_path(folder, KIND), *write_markdown(folder, stored)]
