@@ -29,7 +29,7 @@ from vllmstack.runtime.native import engine, procs
 from vllmstack.runtime.native.command import native_serve_command
 from vllmstack.runtime.native.engine import NativeEngine
 from vllmstack.runtime.native.procs import NativeError, ProcTable, parse_stat
-from vllmstack.runtime.native.records import MARKER_VAR, EngineRecord
+from vllmstack.runtime.native.records import MARKER_VAR, EngineRecord, marker_prefix
 
 # --- /proc parsing on a fake tree ------------------------------------------------------------------
 
@@ -75,13 +75,16 @@ def proc_root(tmp_path: Path) -> Path:
     return root
 
 
-def test_identify_tells_alive_exited_reused_rebooted_and_zombie(proc_root: Path) -> None:
+def test_identify_tells_alive_exited_reused_rebooted_unmarked_and_zombie(proc_root: Path) -> None:
     table = ProcTable(proc_root)
     assert table.identify(record()) == "exited"
+    # The recorded pid and start time, but not the record's marker: not the engine.
     fake_proc(proc_root, 4242, start=1000)
+    assert table.identify(record()) == "unmarked" and not table.is_alive(record())
+    fake_proc(proc_root, 4242, start=1000, environ={MARKER_VAR: "m" * 32})
     assert table.identify(record()) == "alive"
     assert table.identify(record(start=999)) == "reused"
-    fake_proc(proc_root, 4242, start=1000, state="Z")
+    fake_proc(proc_root, 4242, start=1000, state="Z", environ={MARKER_VAR: "m" * 32})
     assert table.identify(record()) == "exited"
     (proc_root / "sys/kernel/random/boot_id").write_text("boot-b\n")
     assert table.identify(record()) == "rebooted"
@@ -343,10 +346,11 @@ def bystander() -> Iterator[subprocess.Popen[bytes]]:
 
 
 def write_record(project: Project, **data: object) -> None:
+    """An engine record as this checkout's keeper writes it (its marker has the checkout's id)."""
     folder = project.generated / "native"
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "engine.json").write_text(json.dumps(
-        {"marker": "0" * 32, "argv": ["vllm"], "log": "", "started": 0.0,
+        {"marker": marker_prefix(project) + "0" * 24, "argv": ["vllm"], "log": "", "started": 0.0,
          "boot_id": ProcTable().boot_id(), **data}))
 
 
@@ -447,7 +451,8 @@ def test_down_fails_loudly_when_a_process_survives_sigkill(
     # A process stuck in the kernel ignores even SIGKILL; a fake table keeps reporting it. Its pid
     # is above pid_max, so no signal can reach a real process.
     pid = int(Path("/proc/sys/kernel/pid_max").read_text()) + 10
-    fake_proc(proc_root, pid, start=1000, state="D")
+    fake_proc(proc_root, pid, start=1000, state="D",
+              environ={MARKER_VAR: marker_prefix(project) + "0" * 24})
     write_record(project, pid=pid, start_ticks=1000, boot_id="boot-a")
     monkeypatch.setattr(procs, "KILL_WAIT_S", 0.2)
     out = io.StringIO()

@@ -176,7 +176,8 @@ def test_a_stale_pid_record_is_never_signalled_and_is_cleaned_up(
     start = _start(Path(f"/proc/{bystander.pid}"))
     folder = stack.root / "generated" / "native"
     folder.mkdir(parents=True)
-    stale = {"pid": bystander.pid, "start_ticks": start - 100, "marker": "f" * 32,
+    stale = {"pid": bystander.pid, "start_ticks": start - 100,
+             "marker": f"{checkout_id(stack.root)}-" + "f" * 24,
              "boot_id": Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
              "argv": ["vllm", "serve"], "log": "", "started": 0}
     (folder / "engine.json").write_text(json.dumps(stale))

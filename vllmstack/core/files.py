@@ -1,8 +1,9 @@
-"""Small file helpers every layer shares: atomic writes created with their mode, the one env-file
-encoding, and reading a file's tail."""
+"""Small file helpers every layer shares: atomic writes created with their mode, reading the
+stack's own JSON files safely, the one env-file encoding, and reading a file's tail."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -10,6 +11,7 @@ import unicodedata
 from pathlib import Path
 from typing import Any
 
+from vllmstack.core.errors import StackError
 from vllmstack.core.findings import Finding
 
 # Files that can hold a token (rendered env files, the override, state records) are created
@@ -17,23 +19,152 @@ from vllmstack.core.findings import Finding
 PRIVATE = 0o600
 
 
+class FileWriteError(StackError, OSError):
+    """A file the stack writes could not be written (disk full, no permission, read-only file
+    system); names the file and the fix. Still an OSError, so callers that handle one go on
+    doing so."""
+
+    def __init__(self, path: Path, exc: OSError) -> None:
+        reason = exc.strerror or str(exc)
+        super().__init__(f"cannot write {path}: {reason}", write_fix(exc.errno, path))
+        self.errno, self.strerror, self.filename = exc.errno, exc.strerror, str(path)
+
+
+def write_fix(code: int | None, path: Path) -> str:
+    """What to do about a failed write of `path`, by its errno."""
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return (f"free space on the file system that holds {path.parent} (df -h {path.parent}), "
+                "then run this again")
+    if code in (errno.EACCES, errno.EPERM):
+        return (f"make {path.parent} writable for this user (ls -ld {path.parent}; a folder made "
+                "by `sudo` or a container belongs to root), then run this again")
+    if code == errno.EROFS:
+        return f"{path.parent} is on a read-only file system: remount it read-write or move the checkout"
+    return f"check {path.parent} (df -h, ls -ld), then run this again"
+
+
 def write_text(path: Path, text: str, mode: int = PRIVATE) -> None:
     """Write `text` (UTF-8) atomically, so a reader in another process never sees half a file.
 
     The temporary file is created with `mode` (never chmod-ed afterwards), so a file that can
-    hold a token is never readable by others, not even for a moment.
+    hold a token is never readable by others, not even for a moment. A failed write (a full
+    disk) raises FileWriteError naming `path` and leaves neither a temporary file nor a changed
+    `path` behind.
     """
     tmp = path.with_name(path.name + ".tmp")
-    tmp.unlink(missing_ok=True)  # an old temp file would keep its own (possibly wider) mode
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
-        handle.write(text)
-    tmp.replace(path)
+    try:
+        tmp.unlink(missing_ok=True)  # an old temp file would keep its own (possibly wider) mode
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
+                handle.write(text)
+            tmp.replace(path)
+        except BaseException:
+            # A half-written temp file on a full disk holds space it cannot use: give it back.
+            tmp.unlink(missing_ok=True)
+            raise
+    except FileWriteError:
+        raise
+    except OSError as exc:
+        raise FileWriteError(path, exc) from exc
 
 
 def write_json(path: Path, data: Any, mode: int = 0o644) -> None:
     """Write `data` as JSON atomically, created with `mode` (see write_text)."""
     write_text(path, json.dumps(data, indent=2) + "\n", mode)
+
+
+# --- reading the stack's own JSON files
+#
+# Files the stack wrote (state, records, history lines, run records) can still be cut short by a
+# full disk, edited by hand, or replaced by anything: each reader turns whatever it finds into a
+# value or a named error, never a traceback. json.loads alone raises RecursionError (not a
+# ValueError) on deep nesting, accepts NaN, and a structure a few hundred levels deep can still
+# blow the stack of whatever walks it next; the stack writes nothing deeper than a handful.
+MAX_JSON_DEPTH = 64
+MAX_JSON_BYTES = 16 * 1024 * 1024  # far above any file the stack writes; reading is bounded
+
+
+class JsonFileError(StackError):
+    """One of the stack's own JSON files cannot be used; says which file and why."""
+
+    def __init__(self, cause: str, fix: str | None = None, *, path: Path | None = None,
+                 reason: str = "") -> None:
+        super().__init__(cause, fix)
+        self.path, self.reason = path, reason
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def json_depth(value: Any) -> int:
+    """How deeply lists and objects nest in a parsed value (0 for a scalar), without recursion."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = (item.values() if isinstance(item, dict) else item
+                    if isinstance(item, list) else None)
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def parse_json(data: str | bytes, *, max_depth: int = MAX_JSON_DEPTH,
+               allow_nan: bool = False) -> Any:
+    """json.loads for text that may be anything: every way it fails is a ValueError whose
+    message says why in a few words (not JSON, not UTF-8, nested too deeply, NaN)."""
+    try:
+        value = json.loads(data, parse_constant=None if allow_nan else _refuse_constant)
+    except RecursionError as exc:
+        raise ValueError(f"nested too deeply to read (more than {max_depth} levels)") from exc
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
+                         f"{exc.start})") from exc
+    except ValueError as exc:
+        raise ValueError(f"not valid JSON ({exc})") from exc
+    if json_depth(value) > max_depth:
+        raise ValueError(f"nested too deeply to read (more than {max_depth} levels)")
+    return value
+
+
+def read_json_file(path: Path, what: str | None = None, *, fix: str | None = None,
+                   max_bytes: int = MAX_JSON_BYTES, allow_nan: bool = False,
+                   expect_object: bool = True) -> Any:
+    """The JSON value in `path`, or None when there is no such file.
+
+    Anything else that keeps it from being used (unreadable, larger than `max_bytes`, not UTF-8,
+    not JSON, nested too deeply, NaN unless `allow_nan`, not an object when `expect_object`)
+    raises JsonFileError "WHAT REASON" (`what` names the file, default its path; the reason alone
+    is in `.reason`), with `fix` (default: move it aside)."""
+    shown = what or str(path)
+
+    def damaged(reason: str) -> JsonFileError:
+        return JsonFileError(f"{shown} {reason}",
+                             fix or f"move it aside (mv {path} {path}.bad) and run this again",
+                             path=path, reason=reason)
+
+    try:
+        with path.open("rb") as handle:
+            data = handle.read(max_bytes + 1)
+    except FileNotFoundError:
+        return None
+    except IsADirectoryError:
+        raise damaged("is a folder, not a file") from None
+    except OSError as exc:
+        raise damaged(f"cannot be read ({exc.strerror or exc})") from exc
+    if len(data) > max_bytes:
+        raise damaged(f"is larger than {max_bytes} bytes, more than the stack ever writes there")
+    try:
+        value = parse_json(data, allow_nan=allow_nan)
+    except ValueError as exc:
+        raise damaged(f"is {exc}") from exc
+    if expect_object and not isinstance(value, dict):
+        raise damaged(f"holds a JSON {type(value).__name__}, not an object")
+    return value
 
 
 # --- env files: one encoding that Compose v1, Compose v2 and podman-compose all read back exactly

@@ -4,6 +4,9 @@ Started like the engine: the keeper (`python -m vllmstack.runtime.native.keeper 
 runs `python -m vllmstack.dashboard ...` in its own session and records its pid and start time,
 so `invoke down` (another process, later) finds exactly that process and ends it, and the next
 `invoke up` starts it again if it died. The token travels in the environment, never in argv.
+As for the engine (records.py), the record must be this checkout's (its marker starts with
+`dashboard-<checkout id>-`) and the process must carry that marker itself; anything else is
+named and left alone.
 
 Files under generated/native/:
   dashboard-launch.json   what to run (0600: the environment can hold DASHBOARD_TOKEN)
@@ -14,7 +17,6 @@ Files under generated/native/:
 
 from __future__ import annotations
 
-import json
 import secrets
 import sys
 import time
@@ -24,12 +26,19 @@ from pathlib import Path
 from typing import TextIO
 
 from vllmstack.config.profiles import Resolved
-from vllmstack.core.files import tail_lines, write_json
+from vllmstack.core.files import FileWriteError, tail_lines, write_json
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner
 from vllmstack.observe.health import health_status, port_answers
+from vllmstack.runtime.native.keeper import keeper_failure
 from vllmstack.runtime.native.procs import EngineGroup, NativeError, ProcTable
-from vllmstack.runtime.native.records import MARKER_VAR, EngineRecord, native_folder
+from vllmstack.runtime.native.records import (
+    MARKER_VAR,
+    EngineRecord,
+    dashboard_marker_prefix,
+    load_record_file,
+    native_folder,
+)
 
 # Where this very package lives: the keeper and the dashboard import it from there, whatever the
 # caller's working folder (the same rule as the engine's keeper in native.engine).
@@ -78,10 +87,10 @@ class NativeDashboard:
         return self.folder / "dashboard.log"
 
     def record(self) -> EngineRecord | None:
-        try:
-            return EngineRecord.from_json(json.loads(self.record_path.read_text()))
-        except (OSError, ValueError):
-            return None
+        """This checkout's dashboard record; None when there is none, or it is damaged or
+        another checkout's (`down` names those)."""
+        return load_record_file(self.project, self.record_path, "dashboard",
+                                dashboard_marker_prefix(self.project)).record
 
     def running(self) -> EngineRecord | None:
         record = self.record()
@@ -120,26 +129,30 @@ class NativeDashboard:
             raise NativeError(f"port {port} (DASHBOARD_PORT) is taken by another program",
                               "stop it (a compose dashboard: `invoke dashboard-down --runtime "
                               "compose`), or set DASHBOARD_PORT to a free port")
-        self.folder.mkdir(parents=True, exist_ok=True)
-        if self.log_path.exists():
-            self.log_path.replace(self.log_path.with_name("dashboard.log.1"))
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            if self.log_path.exists():
+                self.log_path.replace(self.log_path.with_name("dashboard.log.1"))
+        except OSError as exc:
+            raise FileWriteError(Path(exc.filename or self.folder), exc) from exc
         self._forget()
         # Not the checkout's engine prefix (records.marker_prefix): the engine's search for
         # unrecorded engines must never take the dashboard for one.
-        marker = "dashboard-" + secrets.token_hex(16)
+        marker = dashboard_marker_prefix(self.project) + secrets.token_hex(12)
         env = {MARKER_VAR: marker, "PYTHONUNBUFFERED": "1"}
         token = resolved.get_str("DASHBOARD_TOKEN")
         if token:
             env["DASHBOARD_TOKEN"] = token
-        spec = {"argv": argv, "env": env, "cwd": str(PACKAGE_PARENT), "log": str(self.log_path),
+        spec = {"argv": argv, "env": env, "cwd": str(PACKAGE_PARENT),
+                "root": str(self.project.root.resolve()), "log": str(self.log_path),
                 "record": str(self.record_path), "exit": str(self.exit_path), "marker": marker,
                 "grace": STOP_GRACE_S}
         write_json(self.spec_path, spec, mode=0o600)
         result = self.runner.run(keeper, env=dict(self.environ), cwd=PACKAGE_PARENT, timeout=60)
         if not result.ok:
-            why = (result.stderr or result.stdout).strip()[-800:] or f"exit {result.returncode}"
-            raise NativeError(f"the native dashboard did not start: {why}",
-                              f"read {self._rel(self.log_path)} (`invoke logs --service dashboard`)")
+            raise keeper_failure("the native dashboard", result.stdout, result.stderr,
+                                 result.returncode, f"read {self._rel(self.log_path)} "
+                                 "(`invoke logs --service dashboard`)")
         self._wait_healthy(f"http://{probe_host}:{port}")
         record = self.record()
         print(f"dashboard at {page} (native process, pid {record.pid if record else '?'}; log "
@@ -167,22 +180,43 @@ class NativeDashboard:
                           f"{self.start_timeout:.0f} s; stopped it",
                           f"read {self._rel(self.log_path)} (`invoke logs --service dashboard`)")
 
-    def down(self, *, quiet: bool = False) -> None:
-        """End the dashboard's processes (TERM, then KILL after a short grace) and its record."""
-        record = self.record()
+    def down(self, *, quiet: bool = False) -> list[str]:
+        """End the dashboard's processes (TERM, then KILL after a short grace) and its record;
+        returns what was found but left alone (a record that is not this checkout's, or whose
+        process does not carry its marker), each line naming the pid."""
+        record, problem, foreign = load_record_file(self.project, self.record_path, "dashboard",
+                                                    dashboard_marker_prefix(self.project))
         if record is None:
-            return
+            if problem and not quiet:
+                print(f"note: {problem}; not used", file=self.out)
+            left = []
+            if foreign is not None and self._runs(foreign):
+                left.append(f"left alone: pid {foreign.pid} ({self.table.cmdline(foreign.pid)[:100]}),"
+                            f" a dashboard this checkout did not start ({problem})")
+            if problem and not self.runner.dry_run:
+                self._forget()
+            return left
+        left = []
+        if self.table.identify(record) == "unmarked":
+            left.append(f"left alone: pid {record.pid} ({self.table.cmdline(record.pid)[:100]}): "
+                        f"the dashboard record names it, but it does not carry the record's "
+                        f"{MARKER_VAR} marker")
         group = EngineGroup(record, self.table)
         if self.runner.dry_run:
             pids = sorted(p.pid for p in group.find())
             if pids:
                 print(f"(dry run) would stop the native dashboard's processes {pids}", file=self.out)
-            return
+            return left
         count, seconds, _ = group.end(STOP_GRACE_S)
         if count and not quiet:
             print(f"stopped the native dashboard (pid {record.pid}) in {seconds:.1f} s",
                   file=self.out)
         self._forget()
+        return left
+
+    def _runs(self, record: EngineRecord) -> bool:
+        proc = self.table.get(record.pid)
+        return proc is not None and not proc.zombie and proc.start_ticks == record.start_ticks
 
     def _forget(self) -> None:
         for path in (self.record_path, self.exit_path, self.spec_path):

@@ -18,12 +18,13 @@ Which processes are the engine's is `procs`' business (the leader, its group, an
 VLLMSTACK_ENGINE_ID in the environment). Because the marker starts with the checkout's id, an
 engine no record names (engine.json damaged, or overwritten) is found too: `status` shows it,
 `up` will not start a second one beside it, and `down` ends it instead of printing "stopped"
-over a live engine.
+over a live engine. Nothing else is ever signalled: a record copied from another checkout, or one
+naming a process that does not carry its marker, is reported with the pid and left alone
+(`remove` returns those lines, so `down` can say why a port still answers).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -35,12 +36,13 @@ from typing import Any, TextIO
 
 from vllmstack.config.profiles import Resolved
 from vllmstack.config.vllm_args import ServeCommand
-from vllmstack.core.files import tail_lines, write_json
+from vllmstack.core.files import FileWriteError, parse_json, tail_lines, write_json
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner
 from vllmstack.runtime.base import MISSING, EngineState
 from vllmstack.runtime.native.command import NativeCommand, native_serve_command
 from vllmstack.runtime.native.dashboard import NativeDashboard
+from vllmstack.runtime.native.keeper import keeper_failure
 from vllmstack.runtime.native.procs import (
     DEFAULT_GRACE_S,
     EngineGroup,
@@ -52,7 +54,6 @@ from vllmstack.runtime.native.procs import (
 from vllmstack.runtime.native.records import (
     MARKER_VAR,
     EngineRecord,
-    launch_marker,
     load_record,
     marker_prefix,
     native_folder,
@@ -116,15 +117,14 @@ class NativeEngine:
         return self.folder / "engine.log"
 
     def read_record(self) -> EngineRecord | None:
-        return load_record(self.project)[0]
+        return load_record(self.project).record
 
     def unrecorded(self, record: EngineRecord | None = None) -> list[EngineRecord]:
         """This checkout's engines that `record` does not name, found by their marker: one
         whose record was damaged, or overwritten by an `up` of a version without the lock."""
-        prefix, old = marker_prefix(self.project), launch_marker(self.project)
+        prefix = marker_prefix(self.project)
         skip = record.marker if record is not None else None
-        return marked_engines(self.table, lambda marker: marker != skip and (
-            marker.startswith(prefix) or marker == old))
+        return marked_engines(self.table, lambda marker: marker != skip and marker.startswith(prefix))
 
     def command(self) -> NativeCommand:
         if self.resolved is None:
@@ -156,7 +156,8 @@ class NativeEngine:
             print(f"note: {note}", file=self.out)
         marker = new_marker(self.project)
         spec = {"argv": command.argv, "env": {**command.env, MARKER_VAR: marker},
-                "cwd": str(self.project.root), "log": str(self.log_path),
+                "cwd": str(self.project.root), "root": str(self.project.root.resolve()),
+                "log": str(self.log_path),
                 "record": str(self.record_path), "exit": str(self.exit_path), "marker": marker,
                 "grace": self.grace}
         keeper = [self.python, "-m", KEEPER_MODULE, "keep", str(self.spec_path)]
@@ -164,23 +165,28 @@ class NativeEngine:
             print(f"(dry run) the native engine would run: {command.shell()}", file=self.out)
             self.runner.run(keeper, cwd=PACKAGE_PARENT)
             return
-        self.folder.mkdir(parents=True, exist_ok=True)
-        for folder in command.cache_dirs:
-            folder.mkdir(parents=True, exist_ok=True)
-        if self.log_path.exists():
-            self.log_path.replace(self.log_path.with_name("engine.log.1"))
-        self.exit_path.unlink(missing_ok=True)
-        # 0600: the added environment can hold tokens (ENGINE_ENV).
-        write_json(self.spec_path, spec, mode=0o600)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            for folder in command.cache_dirs:
+                folder.mkdir(parents=True, exist_ok=True)
+            if self.log_path.exists():
+                self.log_path.replace(self.log_path.with_name("engine.log.1"))
+            self.exit_path.unlink(missing_ok=True)
+            # 0600: the added environment can hold tokens (ENGINE_ENV).
+            write_json(self.spec_path, spec, mode=0o600)
+        except FileWriteError:
+            raise
+        except OSError as exc:  # a folder that cannot be made: named, never a traceback
+            raise FileWriteError(Path(exc.filename or self.folder), exc) from exc
         result = self.runner.run(keeper, env=dict(self.environ), cwd=PACKAGE_PARENT, timeout=60)
         if not result.ok:
-            why = (result.stderr or result.stdout).strip()[-1500:] or f"exit {result.returncode}"
-            raise NativeError(f"the native engine did not start: {why}",
-                              "check NATIVE_ENGINE_COMMAND / the engine environment "
-                              "(invoke install-engine), and the log generated/native/engine.log")
+            raise keeper_failure("the native engine", result.stdout, result.stderr,
+                                 result.returncode,
+                                 "check NATIVE_ENGINE_COMMAND / the engine environment "
+                                 "(invoke install-engine), and the log generated/native/engine.log")
 
     def state(self) -> EngineState:
-        record, problem = load_record(self.project)
+        record, problem, _ = load_record(self.project)
         if record is None:
             found = [p.pid for r in self.unrecorded() for p in EngineGroup(r, self.table).find()]
             if not found:
@@ -192,7 +198,7 @@ class NativeEngine:
         status = self.table.identify(record)
         if status == "alive":
             return EngineState(True, True, "running", details=details)
-        if status in ("reused", "rebooted"):
+        if status in ("reused", "rebooted", "unmarked"):
             details["stale"] = self._stale_reason(record, status)
             return EngineState(True, False, "stale", details=details)
         code = self._exit_code(record)
@@ -228,31 +234,53 @@ class NativeEngine:
         self.dashboard().up(self.resolved, f"http://127.0.0.1:{self.resolved.get_int('VLLM_PORT')}")
 
     def dashboard_down(self) -> None:
-        self.dashboard().down()
+        for line in self.dashboard().down():
+            print(line, file=self.out)
 
     def stop(self) -> None:
         """Used after a failed start, where the failure itself is the message: never raises."""
         record = self.read_record()
-        if record is None:
-            return
         try:
-            self._end(record, forget=False)
+            if record is not None:
+                self._end(record, forget=False)
+            # An `up` stopped (SIGTERM, a full disk) before the keeper's record was written:
+            # the engine is still this checkout's by its marker.
+            self._end_unrecorded(record)
         except NativeError as exc:
             print(f"warning: {exc} (fix: {exc.fix})", file=self.out)
 
-    def remove(self) -> None:
-        self.dashboard_down()  # like compose's `down`: the side-car goes with the engine
-        record, problem = load_record(self.project)
-        if problem:
+    def remove(self) -> list[str]:
+        """End this checkout's engine and dashboard; returns what was found but left alone
+        (processes that are not this checkout's), each line naming a pid."""
+        left = self.dashboard().down()  # like compose's `down`: the side-car goes with the engine
+        record, problem, foreign = load_record(self.project)
+        if foreign is not None:
+            left += self._foreign(foreign, problem)
+        elif problem:
             print(f"warning: {problem}; looking for the engine by the {MARKER_VAR} marker in "
                   "its processes' environment instead", file=self.out)
         # A NativeError here (a process survived SIGKILL) makes `down` fail loudly: it is a
         # StackError, so the caller shows its cause and fix as they are.
         if record is not None:
-            self._end(record, forget=True)
-        self._end_unrecorded(record)
+            left += self._end(record, forget=True)
+        # Every engine of this checkout, the recorded one included: a record whose start time is
+        # wrong ("reused") left its engine unsignalled above, and its marker still finds it.
+        self._end_unrecorded(None)
         if record is None and not self.runner.dry_run:
             self._forget()
+        return left
+
+    def _foreign(self, record: EngineRecord, problem: str) -> list[str]:
+        """Another checkout's record (this one is a copy): named, never used or signalled."""
+        proc = self.table.get(record.pid)
+        running = proc is not None and not proc.zombie and proc.start_ticks == record.start_ticks
+        line = (f"left alone: pid {record.pid} ({self.table.cmdline(record.pid)[:100] or '?'}), "
+                f"which {problem.removeprefix('the ')}" if running else "")
+        print(f"note: {problem}; " + ("its process is not this checkout's: left alone (pid "
+                                      f"{record.pid})" if running else "ignored"), file=self.out)
+        if not self.runner.dry_run:
+            self._forget()  # a copy's record: it never named anything of this checkout
+        return [line] if line else []
 
     def members(self) -> list[dict[str, Any]]:
         record = self.read_record()
@@ -333,35 +361,43 @@ class NativeEngine:
         if status == "rebooted":
             return f"the recorded engine (pid {record.pid}) ran before the last reboot"
         other = self.table.cmdline(record.pid) or "?"
+        if status == "unmarked":
+            return (f"pid {record.pid} has the recorded start time but does not carry the record's "
+                    f"{MARKER_VAR} marker, so it is not an engine this checkout started: "
+                    f"{other[:120]}")
         return f"pid {record.pid} is no longer the engine (start time differs): it is now {other[:120]}"
 
     def _exit_code(self, record: EngineRecord) -> int | None:
         deadline = time.monotonic() + EXIT_WAIT_S
         while True:
-            try:
-                data = json.loads(self.exit_path.read_text())
-                if data.get("pid") == record.pid and data.get("marker") == record.marker:
-                    return int(data["code"])
-            except (OSError, ValueError, KeyError, TypeError, AttributeError):
-                pass
+            code = read_exit_code(self.exit_path, record)
+            if code is not None:
+                return code
             # The keeper reaps the engine and writes the code a moment later; without a keeper
             # (killed, or another boot) there will never be one.
             if time.monotonic() > deadline or not self.table.keeper_alive(record):
                 return None
             time.sleep(0.05)
 
-    def _end(self, record: EngineRecord, *, forget: bool) -> None:
+    def _end(self, record: EngineRecord, *, forget: bool) -> list[str]:
+        """End the recorded engine's processes; returns the left-alone line of a recorded pid
+        that is not the engine (it does not carry the marker)."""
         status = self.table.identify(record)
-        if status in ("reused", "rebooted"):
+        left = []
+        if status in ("reused", "rebooted", "unmarked"):
             print(f"stale native engine record: {self._stale_reason(record, status)}; not signalled"
                   + ("; record cleared" if forget and not self.runner.dry_run else ""), file=self.out)
+        if status == "unmarked":
+            left.append(f"left alone: pid {record.pid} ({self.table.cmdline(record.pid)[:100]}): "
+                        f"the engine record names it, but it does not carry the {MARKER_VAR} "
+                        "marker the record holds")
         group = EngineGroup(record, self.table)
         if self.runner.dry_run:
             pids = sorted(p.pid for p in group.find())
             if pids:
                 print(f"(dry run) would send SIGTERM to the native engine's processes {pids}, then "
                       f"SIGKILL after {self.grace:g} s", file=self.out)
-            return
+            return left
         count, seconds, killed = group.end(self.grace)
         if count:
             what = (f"the native engine (pid {record.pid})" if status == "alive" else
@@ -376,6 +412,7 @@ class NativeEngine:
                   file=self.out)
         if forget:
             self._forget()
+        return left
 
     def _end_unrecorded(self, record: EngineRecord | None) -> None:
         """End this checkout's engines that `record` does not name (see `unrecorded`)."""
@@ -396,3 +433,17 @@ class NativeEngine:
     def _forget(self) -> None:
         for path in (self.record_path, self.exit_path, self.spec_path):
             path.unlink(missing_ok=True)
+
+
+def read_exit_code(path: Path, record: EngineRecord) -> int | None:
+    """The exit code the keeper wrote for this very engine (pid and marker), else None."""
+    try:
+        data = parse_json(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("pid") != record.pid \
+            or data.get("marker") != record.marker:
+        return None
+    code = data.get("code")
+    return code if isinstance(code, int) and not isinstance(code, bool) else None
+

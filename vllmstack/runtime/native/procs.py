@@ -1,11 +1,13 @@
 """The host process table as the native runtime sees it: /proc parsing, signalling, ending a group.
 
-Which processes are the engine's: the leader (pid and start time match the record, same boot),
-everything in its process group or session while the leader lives, and every process whose
-environment carries the record's marker (VLLMSTACK_ENGINE_ID). The marker is what finds an
-EngineCore left behind after the API server died (a known vLLM failure that keeps GPU memory
-held): its group leader is gone, but it inherited the environment. A recorded pid whose start
-time differs from the record belongs to another program now: it is reported, never signalled.
+Which processes are the engine's: the leader (pid and start time match the record, same boot,
+AND it carries the record's marker itself), everything in its process group or session while
+that leader lives, and every process whose environment carries the record's marker
+(VLLMSTACK_ENGINE_ID). The marker is what finds an EngineCore left behind after the API server
+died (a known vLLM failure that keeps GPU memory held): its group leader is gone, but it
+inherited the environment. A recorded pid whose start time differs from the record belongs to
+another program now, and one whose start time matches but that does not carry the marker (a
+hand-made record, say) was never the engine: both are reported, never signalled.
 """
 
 from __future__ import annotations
@@ -103,6 +105,19 @@ class ProcTable:
                 return entry[len(key):].decode(errors="replace")
         return None
 
+    def carries(self, pid: int, marker: str) -> bool:
+        """The process itself says it is the one `marker` names: VLLMSTACK_ENGINE_ID=marker in
+        its environment (as the keeper starts it), or that word on its command line (an engine
+        started through `env VLLMSTACK_ENGINE_ID=...`). What a record claims is not enough."""
+        entry = f"{MARKER_VAR}={marker}"
+        if self.has_env(pid, entry.encode()):
+            return True
+        try:
+            raw = (self.root / str(pid) / "cmdline").read_bytes()
+        except OSError:
+            return False
+        return entry.encode() in raw.split(b"\0")
+
     def cmdline(self, pid: int) -> str:
         try:
             raw = (self.root / str(pid) / "cmdline").read_bytes()
@@ -130,7 +145,8 @@ class ProcTable:
         return self.boot_time() + proc.start_ticks / os.sysconf("SC_CLK_TCK")
 
     def identify(self, record: EngineRecord) -> str:
-        """alive | exited | reused (the pid is another program now) | rebooted."""
+        """alive | exited | reused (the pid is another program now) | rebooted | unmarked (pid
+        and start time match, but the process does not carry the record's marker: not ours)."""
         boot = self.boot_id()
         if record.boot_id and boot and record.boot_id != boot:
             return "rebooted"
@@ -139,7 +155,9 @@ class ProcTable:
             return "exited"
         if proc.start_ticks != record.start_ticks:
             return "reused"
-        return "exited" if proc.zombie else "alive"
+        if proc.zombie:
+            return "exited"
+        return "alive" if self.carries(record.pid, record.marker) else "unmarked"
 
     def is_alive(self, record: EngineRecord) -> bool:
         return self.identify(record) == "alive"
@@ -148,6 +166,8 @@ class ProcTable:
         if record.keeper_pid is None:
             return False
         proc = self.get(record.keeper_pid)
+        # The keeper's environment is the caller's: it carries no marker; the pid and start time
+        # only decide whether to wait a moment for an exit code, never whom to signal.
         return proc is not None and not proc.zombie and proc.start_ticks == record.keeper_start_ticks
 
 
@@ -184,8 +204,8 @@ class EngineGroup:
     def find(self) -> list[Proc]:
         if self.table.identify(self.record) == "rebooted":
             return []
+        # Alive means proven: the leader carries the marker, not only the recorded pid and time.
         leader_alive = self.table.is_alive(self.record)
-        entry = f"{MARKER_VAR}={self.record.marker}".encode()
         found = []
         for proc in self.table.each():
             # Nothing that started before the engine can be its child (cheap, and it skips
@@ -194,7 +214,7 @@ class EngineGroup:
                 continue
             in_group = proc.pgid == self.record.pid or proc.sid == self.record.pid
             # While the leader lives its pid cannot be reused, so its group and session are ours.
-            if (leader_alive and in_group) or self.table.has_env(proc.pid, entry):
+            if (leader_alive and in_group) or self.table.carries(proc.pid, self.record.marker):
                 found.append(proc)
         return found
 

@@ -1,23 +1,44 @@
 """The engine record under generated/native/: which process is the native engine.
 
 engine.json holds the pid (= process group = session), its start time (field 22 of
-/proc/PID/stat), the boot id, a marker (the checkout's id and a random part) and the keeper's
-pid; see `procs` for how a record is matched against the live process table.
+/proc/PID/stat), the boot id, a marker (the checkout's id and a random part), the checkout it was
+started from and the keeper's pid; see `procs` for how a record is matched against the live
+process table.
+
+Ownership is proven, never assumed: a record is this checkout's only when its marker starts with
+this checkout's id (a copy of the checkout, `cp -a A B`, has another id, since the id is derived
+from the path, so A's record copied into B is not B's), and a process is the recorded one only
+when its pid and start time match AND it carries the marker itself (procs.ProcTable.carries). A
+hand-written record naming some other live process, or a record copied from another checkout,
+is reported with its pid and left alone.
 """
 
 from __future__ import annotations
 
-import json
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from vllmstack.core.checkout import checkout_id
+from vllmstack.core.files import JsonFileError, read_json_file
 from vllmstack.core.paths import Project
 
 FOLDER = "native"
 MARKER_VAR = "VLLMSTACK_ENGINE_ID"
+# An engine record is a few hundred bytes (its argv can be long): anything far larger is not one.
+RECORD_MAX_BYTES = 1_000_000
+
+
+# pid_t's range: a larger "pid" is not a process (and would overflow kill(2)).
+PID_MAX_LIMIT = 2**31 - 1
+
+
+def _int(value: Any) -> int:
+    """A JSON integer (never a bool, float or text): the record's numbers are the keeper's ints."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{value!r} is not an integer")
+    return value
 
 
 @dataclass
@@ -33,48 +54,81 @@ class EngineRecord:
     started: float
     keeper_pid: int | None = None
     keeper_start_ticks: int | None = None
+    root: str = ""  # the checkout that started it (to name it when another checkout finds it)
 
     @classmethod
     def from_json(cls, data: Any) -> EngineRecord | None:
+        if not isinstance(data, dict):
+            return None
         try:
+            argv = data.get("argv") or []
+            started = data.get("started") or 0.0
+            if not isinstance(data["marker"], str) or not isinstance(argv, list) \
+                    or isinstance(started, bool) or not isinstance(started, (int, float)):
+                return None
+            keeper = data.get("keeper_pid")
+            keeper_start = data.get("keeper_start_ticks")
             record = cls(
-                pid=int(data["pid"]), start_ticks=int(data["start_ticks"]),
-                boot_id=str(data.get("boot_id") or ""), marker=str(data["marker"]),
-                argv=[str(a) for a in data.get("argv") or []], log=str(data.get("log") or ""),
-                started=float(data.get("started") or 0.0),
-                keeper_pid=int(data["keeper_pid"]) if data.get("keeper_pid") else None,
-                keeper_start_ticks=(int(data["keeper_start_ticks"])
-                                    if data.get("keeper_start_ticks") is not None else None))
-        except (KeyError, TypeError, ValueError, AttributeError):
+                pid=_int(data["pid"]), start_ticks=_int(data["start_ticks"]),
+                boot_id=str(data.get("boot_id") or ""), marker=data["marker"],
+                argv=[str(a) for a in argv], log=str(data.get("log") or ""),
+                started=float(started),
+                keeper_pid=_int(keeper) if keeper else None,
+                keeper_start_ticks=_int(keeper_start) if keeper_start is not None else None,
+                root=str(data.get("root") or ""))
+        except (KeyError, TypeError, ValueError):
             return None
         # pid 0/1 or negative would make killpg hit our own group or everything: never accept it.
-        return record if record.pid > 1 and record.marker else None
+        if not (1 < record.pid <= PID_MAX_LIMIT) or record.start_ticks < 0 or not record.marker:
+            return None
+        if record.keeper_pid is not None and not 1 < record.keeper_pid <= PID_MAX_LIMIT:
+            record.keeper_pid = None
+        return record
 
 
 def native_folder(project: Project) -> Path:
     return project.generated / FOLDER
 
 
+class Loaded(NamedTuple):
+    """A record as read: the record (None: none, damaged or not this checkout's), why it cannot
+    be used ("" when there is simply none), and the record itself when it is another
+    checkout's (what `down` then names and leaves alone)."""
+
+    record: EngineRecord | None
+    problem: str
+    foreign: EngineRecord | None = None
+
+
 def read_record(project: Project) -> EngineRecord | None:
-    return load_record(project)[0]
+    return load_record(project).record
 
 
-def load_record(project: Project) -> tuple[EngineRecord | None, str]:
-    """(the record, why it cannot be used): ("" when there is simply none)."""
-    path = native_folder(project) / "engine.json"
+def load_record(project: Project) -> Loaded:
+    return load_record_file(project, native_folder(project) / "engine.json", "engine",
+                            marker_prefix(project))
+
+
+def load_record_file(project: Project, path: Path, what: str, prefix: str) -> Loaded:
+    """A process record (the engine's or the dashboard's) that is this checkout's. A record whose
+    marker does not start with `prefix` was written by another checkout (this one is a copy of
+    it) or by hand: it is never used, and the reason names its pid so the user can decide."""
+    shown = f"the {what} record {path}"
     try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return None, ""
-    except OSError as exc:
-        return None, f"the engine record {path} cannot be read ({exc.strerror or exc})"
-    try:
-        record = EngineRecord.from_json(json.loads(text))
-    except ValueError as exc:
-        return None, f"the engine record {path} is not valid JSON ({exc})"
+        data = read_json_file(path, shown, max_bytes=RECORD_MAX_BYTES)
+    except JsonFileError as exc:
+        return Loaded(None, exc.cause)
+    if data is None:
+        return Loaded(None, "")
+    record = EngineRecord.from_json(data)
     if record is None:
-        return None, f"the engine record {path} lacks a usable pid, start time or marker"
-    return record, ""
+        return Loaded(None, f"{shown} lacks a usable pid, start time or marker")
+    if not record.marker.startswith(prefix):
+        origin = (f"the checkout at {record.root}" if record.root and record.root != str(
+            project.root.resolve()) else "another checkout (or by hand)")
+        return Loaded(None, f"{shown} was written by {origin}, not by this one (its marker "
+                            f"{record.marker[:24]!r} does not start with {prefix!r})", record)
+    return Loaded(record, "")
 
 
 def marker_prefix(project: Project) -> str:
@@ -87,12 +141,7 @@ def new_marker(project: Project) -> str:
     return marker_prefix(project) + secrets.token_hex(12)
 
 
-def launch_marker(project: Project) -> str | None:
-    """The marker in launch.json (written before the engine starts): the way to an engine
-    started before markers carried the checkout's prefix."""
-    try:
-        data = json.loads((native_folder(project) / "launch.json").read_text())
-        marker = data["marker"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return marker if isinstance(marker, str) and marker else None
+def dashboard_marker_prefix(project: Project) -> str:
+    """The dashboard's marker: this checkout's id too, behind a word that keeps the engine's
+    search for unrecorded engines (which looks for `marker_prefix`) from taking it for one."""
+    return f"dashboard-{checkout_id(project.root)}-"
