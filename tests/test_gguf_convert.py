@@ -125,16 +125,54 @@ def test_bad_input_is_refused_with_the_fix(project: Project, tree: Path, tmp_pat
     assert unknown.value.fix is not None and "invoke make-model tiny" in unknown.value.fix
 
 
-def test_the_output_needs_models_dir_or_out(project: Project, tree: Path, tmp_path: Path) -> None:
-    model = checkpoint(tmp_path / "m")
-    resolved = resolve(project, platform="cpu", overrides=["MODELS_DIR="], environ={})
-    with pytest.raises(gc.ConvertError) as err:
-        gc.gguf_convert(project, resolved, runner_with(), model=str(model), environ={},
-                        python=sys.executable, say=lambda _: None)
-    assert err.value.fix == "set MODELS_DIR in .env, or pass --out PATH.gguf"
-    done = gc.gguf_convert(project, resolved, runner_with(), model=str(model), environ={},
+def test_without_models_dir_the_file_goes_where_llamacpp_profiles_look(
+        project: Project, tree: Path, tmp_path: Path) -> None:
+    """Issue 23: no MODELS_DIR, no --out: the default models folder, which tiny-gguf reads."""
+    from vllmstack.config.llamacpp_args import gguf_path
+
+    model = checkpoint(tmp_path / "tiny-qwen3")
+    environ = {"HOME": str(tmp_path / "home")}
+    resolved = resolve(project, platform="cpu", overrides=["MODELS_DIR="], environ=environ)
+    done = gc.gguf_convert(project, resolved, runner_with(), model=str(model), environ=environ,
+                           python=sys.executable, say=lambda _: None)
+    assert done.path == tmp_path / "home" / ".cache" / "vllmstack-models" / "tiny-qwen3-f16.gguf"
+    served = resolve(project, platform="cpu", model="tiny-gguf", environ=environ)
+    assert gguf_path(served, home=tmp_path / "home") == done.path
+    done = gc.gguf_convert(project, resolved, runner_with(), model=str(model), environ=environ,
                            python=sys.executable, out=tmp_path / "x.gguf", say=lambda _: None)
     assert done.path == tmp_path / "x.gguf"
+
+
+def test_an_out_that_is_a_folder_or_below_a_file_is_refused_before_converting(
+        project: Project, tree: Path, tmp_path: Path) -> None:
+    """Issue 22 item 12: the converter ran for minutes, then left a full-size .partial."""
+    model = checkpoint(tmp_path / "m")
+    (tmp_path / "outdir").mkdir()
+    runner = runner_with()
+    with pytest.raises(gc.ConvertError) as folder:
+        convert(project, runner, model, out=tmp_path / "outdir")
+    assert "is a folder" in folder.value.cause
+    assert folder.value.fix and str(tmp_path / "outdir" / "m-f16.gguf") in folder.value.fix
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(gc.ConvertError) as below:
+        convert(project, runner, model, out=tmp_path / "afile" / "sub" / "x.gguf")
+    assert f"{tmp_path / 'afile'} is a file" in below.value.cause
+    assert not any(str(gc.RUNNER) in c for c in runner.calls)  # refused before converting
+    assert list(tmp_path.glob("**/*.partial")) == []
+
+
+def test_an_interrupted_conversion_leaves_no_partial_file(project: Project, tree: Path,
+                                                          tmp_path: Path) -> None:
+    runner = runner_with()
+
+    def interrupted(argv: tuple[str, ...]) -> Result:
+        Path(argv[argv.index("--outfile") + 1]).write_bytes(b"x" * 4096)
+        raise KeyboardInterrupt
+
+    runner.respond([sys.executable, str(gc.RUNNER)], interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        convert(project, runner, checkpoint(tmp_path / "m"))
+    assert list((project.root / "models").glob(".*partial")) == []
 
 
 def test_a_python_without_torch_is_named_with_what_it_lacks(project: Project, tree: Path,

@@ -45,7 +45,7 @@ FIT_MIN_CTX = 4096   # fit_params_min_ctx (common/common.h)
 # estimate: the projection is for "clearly won't fit", not for tuning.
 OVERHEAD_GIB = 1.0
 CONVERT_FIX = ("put the file there, or make it from a Hugging Face folder: invoke gguf-convert "
-               "MODEL_DIR (writes it under MODELS_DIR)")
+               "MODEL_DIR (writes it under MODELS_DIR, else ~/.cache/vllmstack-models)")
 QUANTIZED_KV = ("q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 
 

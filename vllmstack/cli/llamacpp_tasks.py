@@ -23,7 +23,8 @@ from vllmstack.cli.task import exit_with, stack_task
 @stack_task(help={
     "model_dir": "the Hugging Face model: a folder, or a hub id in the local cache",
     "outtype": "f16 (default), bf16, q8_0 (see the converter's --outtype)",
-    "out": "the .gguf to write (default: MODELS_DIR/<name>-<outtype>.gguf)",
+    "out": "the .gguf to write (default: MODELS_DIR/<name>-<outtype>.gguf; without MODELS_DIR "
+           "~/.cache/vllmstack-models/, where llama.cpp profiles look too)",
     "pre_tokenizer": "llama.cpp pre-tokenizer to use when the converter does not know the "
                      "tokenizer's (a model `invoke make-model` made records its own)",
     "python": "interpreter with torch, transformers and numpy (default: the CPU engine's)",

@@ -99,10 +99,22 @@ def is_llamacpp(resolved: Resolved) -> bool:
     return engine_of(resolved) == LLAMACPP
 
 
+# Where `invoke gguf-convert` writes, and relative GGUF paths are read, when MODELS_DIR is not
+# set: beside the stack's other caches (HOST_CACHE_DIR, else ~/.cache), so that a newcomer's
+# `gguf-convert tiny` and `up --model tiny-gguf` agree without editing .env first.
+DEFAULT_MODELS_SUBDIR = "vllmstack-models"
+
+
+def default_models_dir(resolved: Resolved, home: Path) -> Path:
+    """MODELS_DIR's default for GGUF files (see DEFAULT_MODELS_SUBDIR)."""
+    cache = resolved.get("HOST_CACHE_DIR") or str(home / ".cache")
+    return Path(cache).expanduser() / DEFAULT_MODELS_SUBDIR
+
+
 def gguf_path(resolved: Resolved, key: str = MODEL_KEY, *,
-              models_dir: str | Path | None = None) -> Path | None:
+              models_dir: str | Path | None = None, home: Path | None = None) -> Path | None:
     """The file a GGUF path setting names: relative paths are under `models_dir` (default
-    MODELS_DIR). None when the setting is empty."""
+    MODELS_DIR, else `default_models_dir`). None when the setting is empty."""
     raw = resolved.get_raw(key).strip()
     if not raw:
         return None
@@ -111,10 +123,7 @@ def gguf_path(resolved: Resolved, key: str = MODEL_KEY, *,
         return path
     base = str(models_dir) if models_dir is not None else resolved.get_str("MODELS_DIR").strip()
     if not base:
-        raise ArgvError(f"{key}={raw} is a relative path, and MODELS_DIR is not set "
-                        f"({key} at {resolved.source(key)})",
-                        f"set MODELS_DIR in .env to the folder that holds {raw}, or make {key} "
-                        "an absolute path")
+        return default_models_dir(resolved, home or Path.home()) / path
     return Path(base).expanduser() / path
 
 

@@ -9,7 +9,8 @@ them (.cache/engines/vllm-*+cpu first, then other vllm-* ones), else this Python
 `gguf_convert_runner.py` (shipped beside this module) wraps the converter for `--pre-tokenizer`:
 a tokenizer whose pre-tokenizer hash the converter does not know is written under that name
 instead of refused. A model made by `invoke make-model` records its name, so it needs no flag.
-The output goes to MODELS_DIR/<name>-<outtype>.gguf unless `out` says otherwise; it is written
+The output goes to MODELS_DIR/<name>-<outtype>.gguf (without MODELS_DIR: ~/.cache/vllmstack-models,
+where llama.cpp profiles look too) unless `out` says otherwise; it is written
 beside its destination and renamed into place, then read back with the `gguf` package.
 """
 
@@ -24,10 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vllmstack.config.llamacpp_args import default_models_dir
 from vllmstack.config.profiles import Resolved
 from vllmstack.core.errors import StackError
 from vllmstack.core.files import write_json
-from vllmstack.core.paths import Project
+from vllmstack.core.paths import Project, home_dir
 from vllmstack.core.runner import Runner
 from vllmstack.image.llamacpp_source import prepare_source
 from vllmstack.models.tiny import GGUF_PRE_TOKENIZER, MODEL_RECORD, PRESETS, cached_snapshot
@@ -166,6 +168,30 @@ def read_header(path: Path) -> dict[str, Any]:
             "bytes": path.stat().st_size}
 
 
+def output_path(resolved: Resolved, environ: Mapping[str, str], name: str, outtype: str,
+                out: Path | None) -> Path:
+    """`out`, else MODELS_DIR/<name>-<outtype>.gguf, else the same name in the default models
+    folder, where a llama.cpp profile's relative LLAMACPP_MODEL is read from too
+    (llamacpp_args.default_models_dir). Refused before anything runs: a folder as `out` (the
+    converter would fill a .partial beside it for minutes, then fail), or a parent that is a
+    file."""
+    if out is None:
+        models_dir = (stack_paths(resolved, environ).models_dir
+                      or default_models_dir(resolved, home_dir(environ)))
+        return models_dir / f"{name}-{outtype}.gguf"
+    target = out.expanduser()
+    if target.is_dir():
+        raise ConvertError(f"--out {out} is a folder; it names the .gguf file to write",
+                           f"pass a file name: --out {target / f'{name}-{outtype}.gguf'}")
+    for parent in target.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ConvertError(f"--out {out}: {parent} is a file, not a folder, so nothing "
+                                   "can be written below it", "pass --out a path in a folder")
+            break
+    return target
+
+
 def gguf_convert(project: Project, resolved: Resolved, runner: Runner, *, model: str,
                  environ: Mapping[str, str], outtype: str = "f16", out: Path | None = None,
                  pre_tokenizer: str | None = None, python: str | None = None,
@@ -177,13 +203,7 @@ def gguf_convert(project: Project, resolved: Resolved, runner: Runner, *, model:
                            "f16 keeps the weights as they are for a bf16/f16 checkpoint; q8_0 "
                            "halves them")
     folder, name = resolve_model(resolved, environ, model)
-    target = out.expanduser() if out is not None else None
-    if target is None:
-        models_dir = stack_paths(resolved, environ).models_dir
-        if models_dir is None:
-            raise ConvertError("MODELS_DIR is not set, so there is no default place for the file",
-                               "set MODELS_DIR in .env, or pass --out PATH.gguf")
-        target = models_dir / f"{name}-{outtype}.gguf"
+    target = output_path(resolved, environ, name, outtype, out)
     if target.exists() and not force:
         raise ConvertError(f"{target} already exists", "pass --force to convert again, or --out "
                            "another path")
@@ -204,7 +224,11 @@ def gguf_convert(project: Project, resolved: Resolved, runner: Runner, *, model:
     say(f"converting {folder} to {target} ({outtype}) with llama.cpp {ref}'s converter"
         + (f", pre-tokenizer {asked} if its hash is unknown" if asked else ""))
     started = time.monotonic()
-    result = runner.run(argv, capture=not stream, env={**environ, "PYTHONNOUSERSITE": "1"})
+    try:
+        result = runner.run(argv, capture=not stream, env={**environ, "PYTHONNOUSERSITE": "1"})
+    except BaseException:  # Ctrl-C mid-way: a half-written file the size of the model stays not
+        partial.unlink(missing_ok=True)
+        raise
     if not result.ok:
         partial.unlink(missing_ok=True)
         said = (result.stderr or result.stdout).strip()

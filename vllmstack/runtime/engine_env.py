@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from vllmstack.config.engine import LLAMACPP, engine_of
+from vllmstack.config.llamacpp_args import default_models_dir
 from vllmstack.config.profiles import Resolved
 from vllmstack.config.schema import Schema, is_engine_env_name
 from vllmstack.core.errors import StackError
@@ -70,11 +72,15 @@ class StackPaths:
 
 
 def stack_paths(resolved: Resolved, environ: Mapping[str, str]) -> StackPaths:
+    """The host folders; `models_dir` is MODELS_DIR, and for a llama.cpp profile without it the
+    default folder its relative GGUF paths are read from (llamacpp_args.default_models_dir)."""
     home = home_dir(environ)
     cache = Path(resolved.get("HOST_CACHE_DIR") or home / ".cache").expanduser()
     hf = Path(resolved.get("HF_CACHE_DIR") or cache / "huggingface").expanduser()
     models = resolved.get("MODELS_DIR")
-    return StackPaths(hf, cache / "vllmstack-engine", Path(models).expanduser() if models else None)
+    folder = (Path(models).expanduser() if models else
+              default_models_dir(resolved, home) if engine_of(resolved) == LLAMACPP else None)
+    return StackPaths(hf, cache / "vllmstack-engine", folder)
 
 
 def ensure_cache_dirs(paths: StackPaths, ids: HostIds, *, dry_run: bool) -> list[str]:
