@@ -511,6 +511,23 @@ def test_disk_per_filesystem_and_natively(project: Project) -> None:
     assert doctor(project, platform(project, "r9700"), runner=broken).check("disk").status == WARN
 
 
+def test_disk_for_the_cpu_platform_counts_what_was_asked(project: Project) -> None:
+    """Issue 23: `doctor --platform cpu` with .env's 27B profile budgeted its 29.5 GiB of weights
+    and a 100 GiB ROCm build; the CPU image and the profile asked for are what count."""
+    environ = {"HOME": str(project.root / "home")}
+    asked = resolve(project, platform="cpu", environ=environ)  # .env.example: qwen3.8-27b
+    disk = doctor(project, asked).check("disk")
+    assert disk.status == PASS, disk.detail
+    assert "qwen3.8-27b" in disk.detail and "is not made for cpu" in disk.detail
+    assert "localhost/vllm-cpu:latest" in disk.detail and "10 GiB to build it" in disk.detail
+    assert "100 GiB" not in disk.detail and "29.5" not in disk.detail
+    # Named with --model, a profile's weights count whatever the platform.
+    named = doctor(project, platform(project, "cpu", model="qwen3.8-27b")).check("disk")
+    assert "29.5 GiB of weights" in named.detail
+    gguf = doctor(project, platform(project, "cpu", model="tiny-gguf")).check("disk")
+    assert "2 GiB for localhost/llamacpp:" in gguf.detail and "GGUF file is local" in gguf.detail
+
+
 # --- the report: JSON contract and text ----------------------------------------------------------
 
 

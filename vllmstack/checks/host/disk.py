@@ -7,8 +7,15 @@ The thresholds, and where they come from:
 * BUILD_GIB = 100: building the image here (a localhost/ VLLM_IMAGE, `invoke build`): "budget
   roughly 100+ GB of free disk for BuildKit cache when building the base yourself"
   (reference/vllm-facts.md). WARN: a pulled or already built image does not need it.
+  That is the ROCm full build's figure: a CPU platform's image (Dockerfile.cpu: the base image
+  and vLLM's CPU build, a 3.4 GB environment) takes CPU_IMAGE_GIB = 6 and CPU_BUILD_GIB = 10 to
+  build (pip's download and wheel caches on top); a llama.cpp image (Dockerfile.llamacpp: one
+  static llama-server on the base image) LLAMACPP_IMAGE_GIB = 2 and LLAMACPP_BUILD_GIB = 6 (the
+  source tree and its cmake build). Round allowances above what was measured, not measurements.
 * The weights: MODEL_WEIGHT_GIB of the profile, when the model is not in the cache yet. FAIL:
-  the download cannot finish.
+  the download cannot finish. Not counted when the profile came from .env (not --model) and is
+  not made for the platform (PROFILE_PLATFORMS): `doctor --platform cpu` must not budget .env's
+  27B model for a CPU host.
 * HEADROOM_GIB = 10 on top of the weights: the compile and JIT caches (torch.compile, Triton,
   AITER) that live beside the HF cache by default, and a download's partial files. A round
   allowance, not a measurement. WARN.
@@ -24,6 +31,7 @@ from typing import Any
 
 from vllmstack.checks.host.model import FAIL, PASS, SKIP, WARN, HostCheck, HostView
 from vllmstack.checks.host.tools import RuntimeChoice
+from vllmstack.config.engine import LLAMACPP, engine_image, engine_of
 from vllmstack.config.modelinfo import is_local_path, locate_model_dir
 from vllmstack.config.profiles import Resolved
 from vllmstack.runtime.engine_env import stack_paths
@@ -31,6 +39,8 @@ from vllmstack.runtime.gpu import GIB
 
 IMAGE_GIB = 25.0
 BUILD_GIB = 100.0
+CPU_IMAGE_GIB, CPU_BUILD_GIB = 6.0, 10.0
+LLAMACPP_IMAGE_GIB, LLAMACPP_BUILD_GIB = 2.0, 6.0
 HEADROOM_GIB = 10.0
 
 
@@ -76,23 +86,48 @@ def _weights_to_fetch(resolved: Resolved, environ: Mapping[str, str]) -> float |
         return None
 
 
+def _image_sizes(resolved: Resolved) -> tuple[float, float]:
+    """(GiB the engine image takes, GiB free to build it) for this profile's engine and platform."""
+    if engine_of(resolved) == LLAMACPP:
+        return LLAMACPP_IMAGE_GIB, LLAMACPP_BUILD_GIB
+    if resolved.get_str("GPU_VENDOR") == "none":
+        return CPU_IMAGE_GIB, CPU_BUILD_GIB
+    return IMAGE_GIB, BUILD_GIB
+
+
+def _not_for_platform(resolved: Resolved) -> str | None:
+    """Why the profile's weights are not counted: .env chose it, and it is not made for the
+    platform asked for (see the module docstring); None when they count."""
+    if resolved.source("MODEL_PROFILE") == "--model":
+        return None
+    made_for = {p.strip() for p in resolved.get_str("PROFILE_PLATFORMS").split(",") if p.strip()}
+    if not made_for or resolved.platform in made_for:
+        return None
+    return (f"weights not counted: {resolved.profile} (MODEL_PROFILE at "
+            f"{resolved.source('MODEL_PROFILE')}) is not made for {resolved.platform}; "
+            "--model NAME counts a profile's")
+
+
 def needs(view: HostView, resolved: Resolved, environ: Mapping[str, str],
           choice: RuntimeChoice) -> list[Need]:
     out: list[Need] = []
     if choice.cli is not None:
-        image = resolved.get_str("VLLM_IMAGE")
+        image = engine_image(resolved)
         store = _image_store(view, choice, resolved.get_str("DOCKER"))
         if view.run(choice.cli.engine, "image", "inspect", "--format", "{{.Id}}", image).ok:
             out.append(Need("images", store, 0.0, 0.0, f"{image} is there"))
         else:
+            size, build_size = _image_sizes(resolved)
             build = image.startswith("localhost/")
-            out.append(Need("images", store, IMAGE_GIB, BUILD_GIB if build else IMAGE_GIB,
-                            f"{IMAGE_GIB:g} GiB for {image}"
-                            + (f", {BUILD_GIB:g} GiB to build it" if build else "")))
-    weights = _weights_to_fetch(resolved, environ)
+            out.append(Need("images", store, size, build_size if build else size,
+                            f"{size:g} GiB for {image}"
+                            + (f", {build_size:g} GiB to build it" if build else "")))
     hf = str(stack_paths(resolved, environ).hf_cache)
+    skipped = ("the GGUF file is local (LLAMACPP_MODEL), nothing to download"
+               if engine_of(resolved) == LLAMACPP else _not_for_platform(resolved))
+    weights = 0.0 if skipped else _weights_to_fetch(resolved, environ)
     model = resolved.get_str("VLLM_MODEL")
-    why = ("the weights are there" if weights == 0 else
+    why = (skipped if skipped else "the weights are there" if weights == 0 else
            f"{weights:g} GiB of weights for {model}" if weights else
            "weights of unknown size (MODEL_WEIGHT_GIB unset)")
     out.append(Need("hf-cache", hf, weights or 0.0, (weights or 0.0) + HEADROOM_GIB,
