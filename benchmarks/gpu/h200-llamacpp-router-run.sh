@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The issue-13/14 evidence run on the lent H200 machine (see ../shared/gpu/README.md): the stack's
+# The llama.cpp and router evidence run on the lent H200 machine (see ../shared/gpu/README.md): the stack's
 # own commands (native runtime) with real vLLM 0.27.1 and llama.cpp b9993 built for CUDA from the
 # pinned sdist (carried in .cache/sdist: the machine has no network). From the carried tree root,
 # after device.sh stage p1/p2:
-#   source .gpu/p3/tools/device.sh setup && bash benchmarks/gpu/issue13-14-device-run.sh router
-#   then (next call):  source .gpu/p3/tools/device.sh setup && bash .../issue13-14-device-run.sh vs
+#   source .gpu/p3/tools/device.sh setup && bash benchmarks/gpu/h200-llamacpp-router-run.sh router
+#   then (next call):  source .gpu/p3/tools/device.sh setup && bash .../h200-llamacpp-router-run.sh vs
 # router: start the llama-server CUDA build (background, niced), make one random-weight
 #         Qwen3-0.6B-geometry checkpoint and convert it to GGUF (bf16: the same weights); meanwhile
 #         `invoke router` over two vLLM profiles (a load, a swap, a stream, the lifecycle API),

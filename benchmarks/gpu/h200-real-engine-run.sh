@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The issue-12 evidence run on the lent 2x H200 machine (see ../shared/gpu/README.md): the stack's own
+# The real-engine evidence run on the lent 2x H200 machine (see ../shared/gpu/README.md): the stack's own
 # commands (native runtime) against real vLLM 0.27.1 with dummy weights, side by side with
 # `vllm bench serve` from the same install. From the carried tree root, after device.sh stage p1/p2:
-#   source .gpu/p3/tools/device.sh setup && bash benchmarks/gpu/issue12-device-run.sh small|big
+#   source .gpu/p3/tools/device.sh setup && bash benchmarks/gpu/h200-real-engine-run.sh small|big
 # Everything it measures lands in $OUT/<mode>.tgz (logs, JSON, check output, the engine log).
 set -u
 # The lent machine kills a call at 600 s without a signal the trap could catch: every step's
