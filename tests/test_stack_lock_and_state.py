@@ -226,17 +226,30 @@ def test_invoke_status_and_down_on_a_damaged_state_file_say_so_without_a_traceba
     root = copy_project(tmp_path / "stack")
     write_dotenv(root, {"VLLM_PORT": str(free_port()), "RUNTIME": "native"})
     (root / "generated").mkdir()
-    (root / "generated" / "state.json").write_text('{"runtime": "comp')
-    for task in (["status"], ["down"]):
-        done = subprocess.run([sys.executable, "-m", "invoke", *task], cwd=root, text=True,
+    damaged = '{"runtime": "comp'
+    (root / "generated" / "state.json").write_text(damaged)
+
+    def invoke(*task: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "invoke", *task], cwd=root, text=True,
                               capture_output=True, timeout=120, check=False,
                               env={**os.environ, "HOME": str(tmp_path)})
-        assert done.returncode == 1, task
-        assert "Traceback" not in done.stdout + done.stderr
-        lines = done.stderr.strip().splitlines()
-        assert lines[-2].startswith("error: generated/state.json is not valid JSON"), lines
-        assert lines[-1].startswith("fix:   move it aside")
-        assert "stopped" not in done.stdout
+
+    # status reads it and says so; it changes nothing.
+    done = invoke("status")
+    assert done.returncode == 1
+    assert "Traceback" not in done.stdout + done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert lines[-2].startswith("error: generated/state.json is not valid JSON"), lines
+    assert lines[-1].startswith("fix:   move it aside")
+    # down still works: the file is set aside (renamed, its text kept), then the stack stopped.
+    done = invoke("down")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
+    assert done.stdout.startswith("warning: generated/state.json is not valid JSON")
+    [aside] = (root / "generated").glob("state.json.damaged-*")
+    assert aside.read_text() == damaged and aside.name in done.stdout
+    assert not (root / "generated" / "state.json").exists()
+    assert done.stdout.rstrip().endswith("stopped")
 
 
 # --- one Compose project per checkout -----------------------------------------------------------------

@@ -8,12 +8,19 @@ second died on the port and overwrote the record, and `down` then left the first
 
 The lock is flock(2) on generated/stack.lock. The kernel drops it when its holder exits, however
 it exits, so a killed command never leaves a stale lock behind; the file's content (pid, command,
-since when) is only there to say who holds it.
+since when, whether `down` may stop it) is only there to say who holds it, and is believed only
+when /proc/locks names the same pid (`lock_holder`).
+
+The id is derived from the checkout's path, so a copy (`cp -a A B`) has its own id from its first
+command on: nothing stored is copied with it. What A recorded (engine and dashboard records,
+state.json) names A's id, and B treats it as another checkout's (runtime.native.records,
+serve.state).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import functools
 import hashlib
@@ -24,10 +31,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Concatenate, ParamSpec, TypeVar
 
 from vllmstack.core.errors import StackError
+from vllmstack.core.files import FileWriteError, parse_json
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner
 
@@ -52,6 +61,40 @@ class LockBusyError(StackError):
     """Another command holds this stack's lock; the message names it."""
 
 
+@dataclass(frozen=True)
+class LockHolder:
+    """The command that holds the stack lock now, as its lock file says and the kernel confirms."""
+
+    pid: int
+    command: str
+    since: float
+    stoppable: bool  # an `invoke up` in the foreground that ends cleanly on SIGTERM
+
+
+def _lock_info(path: Path) -> tuple[int, str, float, bool] | None:
+    try:
+        data = parse_json(path.read_bytes()[:4096])
+        if not isinstance(data, dict):
+            return None
+        pid, command, since = data["pid"], data["command"], data["since"]
+        if not (isinstance(pid, int) and isinstance(command, str)
+                and isinstance(since, (int, float))) or isinstance(pid, bool):
+            return None
+        return pid, command, float(since), data.get("stoppable") is True
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def lock_holder(generated: Path) -> LockHolder | None:
+    """Who holds the stack lock, when the lock file and /proc/locks agree on the pid (a lock
+    file left by a command that was killed names a pid that holds nothing: None)."""
+    path = (generated / LOCK_FILE).resolve()
+    info = _lock_info(path)
+    if info is None or _kernel_holder(path) != info[0]:
+        return None
+    return LockHolder(*info)
+
+
 def checkout_id(root: Path) -> str:
     """8 hex digits of the sha256 of the checkout's absolute path: stable, and unique per clone."""
     return hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:8]
@@ -74,12 +117,11 @@ def derived_compose_project(root: Path) -> tuple[str, str]:
 def _holder_text(path: Path) -> str:
     """Who holds the lock: what it wrote into the file, else the pid the kernel lists for it."""
     for _ in range(10):  # the holder writes its details a moment after it got the lock
-        try:
-            data = json.loads(path.read_text())
-            pid, command, since = int(data["pid"]), str(data["command"]), float(data["since"])
-        except (OSError, ValueError, KeyError, TypeError):
+        info = _lock_info(path)
+        if info is None:
             time.sleep(0.05)
             continue
+        pid, command, since, _ = info
         age = max(0, int(time.time() - since))
         line = _cmdline(pid)
         return (f"`invoke {command}` (pid {pid}, for {age} s" + (f": {line}" if line else "") + ")")
@@ -122,11 +164,13 @@ def _try_lock(fd: int) -> bool:
 
 @contextlib.contextmanager
 def stack_lock(generated: Path, command: str, *, say: Callable[[str], None] | None = None,
-               wait: float | None = None) -> Iterator[None]:
+               wait: float | None = None, stoppable: bool = False) -> Iterator[None]:
     """Hold the stack's lock for `command` (up, down, install-engine).
 
     A busy lock is waited for up to `wait` seconds (LOCK_WAIT_S), saying so through `say`; then
-    LockBusyError names the holder (its command and pid) and how to proceed.
+    LockBusyError names the holder (its command and pid) and how to proceed. `stoppable`: the
+    holder ends cleanly on SIGTERM (what `down` sends a booting `up`). A lock file that cannot be
+    made or written (a full disk, a read-only checkout) is a FileWriteError naming it.
     """
     path = (generated / LOCK_FILE).resolve()
     key = (path, threading.get_ident())
@@ -138,9 +182,12 @@ def stack_lock(generated: Path, command: str, *, say: Callable[[str], None] | No
             _held[key] -= 1
         return
     limit = LOCK_WAIT_S if wait is None else wait
-    generated.mkdir(parents=True, exist_ok=True)
-    # Never replaced or deleted: a new inode would let a second command lock "the same" file.
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        generated.mkdir(parents=True, exist_ok=True)
+        # Never replaced or deleted: a new inode would let a second command lock "the same" file.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise FileWriteError(path, exc) from exc
     try:
         if not _try_lock(fd):
             holder = _holder_text(path)
@@ -156,9 +203,14 @@ def stack_lock(generated: Path, command: str, *, say: Callable[[str], None] | No
                         "its terminal, or kill the pid named above)")
                 time.sleep(POLL_S)
             (say or _stderr)(f"the stack lock is free; `invoke {command}` goes ahead")
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"pid": os.getpid(), "command": command,
-                                  "since": time.time()}).encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            text = json.dumps({"pid": os.getpid(), "command": command, "since": time.time(),
+                               "stoppable": stoppable}).encode()
+            if os.pwrite(fd, text, 0) != len(text):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError as exc:
+            raise FileWriteError(path, exc) from exc
         _held[key] = 1
         try:
             yield

@@ -62,8 +62,9 @@ class EngineRuntime(Protocol):
         """Stop the engine (keeping its log where the runtime can)."""
         ...
 
-    def remove(self) -> None:
-        """Stop and remove everything this runtime started."""
+    def remove(self) -> list[str] | None:
+        """Stop and remove everything this runtime started. Returns what it found but left
+        alone because this checkout did not start it (each line names it), if anything."""
         ...
 
     def members(self) -> list[dict[str, Any]]:

@@ -343,7 +343,9 @@ def diagnose(lines: Sequence[str], exit_code: int | None = None,
                          NATIVE_CRASH_FIX.get(vendor or "", "check that `import vllm` works where "
                                               "the engine runs"), None, None)
     return Diagnosis("unknown",
-                     f"the engine exited (code {exit_code}) with no known error signature in its log",
+                     (f"the engine exited (code {exit_code})" if exit_code is not None else
+                      "the engine ended (exit code unknown)")
+                     + " with no known error signature in its log",
                      "read the log tail above (`invoke logs`)", None, None)
 
 

@@ -8,10 +8,11 @@ shared by every runtime. This module strings them together.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TextIO
 
 import requests
 
@@ -20,6 +21,7 @@ from vllmstack.config.engine import LLAMACPP, VLLM, display_name, engine_of
 from vllmstack.config.profiles import Resolved
 from vllmstack.config.vllm_args import ServeCommand
 from vllmstack.core.errors import StackError
+from vllmstack.core.files import FileWriteError
 from vllmstack.core.findings import Finding
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner
@@ -36,14 +38,26 @@ from vllmstack.serve.guards import (
     wait_gpu_release,
     wait_gpu_settled,
 )
+from vllmstack.serve.interruption import (
+    UP_STOP_WAIT_S,
+    UpInterruptedError,
+    sigterm_interrupts,
+    stop_booting_up,
+)
 from vllmstack.serve.running import recorded_overrides
 from vllmstack.serve.stack import LifecycleError, Stack, open_stack
-from vllmstack.serve.state import STATE_FILE, read_state, write_state
+from vllmstack.serve.state import (
+    STATE_FILE,
+    foreign_state,
+    read_state,
+    set_aside_damaged,
+    write_state,
+)
 from vllmstack.serve.watch import Progress, wait_until_healthy, warm_up
 
 # The serving layer's commands, one per task (open_stack picks the runtime for all of them).
 __all__ = ["LifecycleError", "UpResult", "clear_caches", "dashboard_down", "dashboard_up", "down",
-           "exec_in_engine", "logs", "open_stack", "render_status", "status", "up"]
+           "exec_in_engine", "logs", "open_stack", "prepare_down", "render_status", "status", "up"]
 
 
 # How long `--stop-other` waits for the stopped engine's GPU memory to drain.
@@ -81,8 +95,9 @@ def up(stack: Stack, *, timeout: float | None = None, force: bool = False, dashb
     One engine resident: while another engine (this stack's, of another profile or engine; a
     system service in OTHER_ENGINE_SERVICE; a server on OTHER_ENGINE_PORTS) holds the GPU, `up`
     refuses and names it; `stop_other` stops the stack's own and the services first.
-    Under the stack lock: a second `up` (or a `down`) waits for this one or refuses, naming it."""
-    with stack.lock("up", dry_run=dry_run):
+    Under the stack lock: a second `up` waits for this one or refuses, naming it; a `down`
+    stops it (SIGTERM, see serve.interruption), and it stops the engine it started."""
+    with sigterm_interrupts() as stoppable, stack.lock("up", dry_run=dry_run, stoppable=stoppable):
         return _up(stack, timeout=timeout, force=force, dashboard=dashboard, dry_run=dry_run,
                    stop_other=stop_other)
 
@@ -122,7 +137,8 @@ def _up(stack: Stack, *, timeout: float | None, force: bool, dashboard: bool,
     if stop_other and _stop_others(stack, previous, own=current.running and not same,
                                    dry_run=dry_run):
         current, previous = stack.engine.state(), {}
-    if current.running and same and health_status(stack.url) == 200:
+    healthy = current.running and health_status(stack.url) == 200
+    if current.running and same and healthy:
         print(f"already up and healthy: {stack.served_name} at {stack.url} (same command); "
               "nothing to do for the engine", file=out)
         notes = ["already running"]
@@ -130,15 +146,17 @@ def _up(stack: Stack, *, timeout: float | None, force: bool, dashboard: bool,
             # Idempotent for real: a dashboard that failed to start last time starts now.
             start_dashboard(stack, notes)
         return UpResult(stack.url, stack.served_name, 0.0, None, notes)
+    if current.running and same and not dry_run:
+        # Started with this very command by an `up` that ended before it was healthy (killed,
+        # Ctrl-C): we hold the lock, so no other `up` runs. Wait for it, not refuse it.
+        print("the engine is already starting with this very command (an earlier `invoke up` "
+              "ended before it was healthy); waiting for it instead of starting another",
+              file=out)
+        return _boot(stack, [], dashboard=dashboard, timeout=timeout)
     guards = check_guards(resolved, stack.probe, own_engine_running=current.running,
                           runtime=stack.engine.flavour, runner=stack.runner)
     if current.running:
-        running = display_name(str(previous.get("engine") or VLLM))
-        guards.insert(0, Guard(
-            "already-running",
-            f"the stack already runs {running} with profile {previous.get('profile', '?')} "
-            f"({previous.get('platform', '?')}) and another command: one engine is resident at a time",
-            "`invoke down` first, or `invoke up --stop-other` to stop it and start this one"))
+        guards.insert(0, _already_running(previous))
     print_guards(guards, force, out)
     notes = stack.engine.prepare(command, dry_run=dry_run)
     if dry_run:
@@ -147,33 +165,69 @@ def _up(stack: Stack, *, timeout: float | None, force: bool, dashboard: bool,
               f"{stack.url}/health, then warm up {stack.served_name!r}", file=out)
         return UpResult(stack.url, stack.served_name, 0.0, None, notes)
     baseline = total_used(stack.probe.memory())
-    stack.engine.start()  # a runtime's StackError carries its own cause and fix
-    write_state(stack.project, {
-        "runtime": stack.engine.name, "flavour": stack.engine.flavour,
-        "engine": engine_of(resolved),
-        "compose_project": stack.compose_project,
-        "profile": resolved.profile, "platform": resolved.platform,
-        "sets": recorded_overrides(resolved),
-        "argv": command.argv, "url": stack.url, "served_name": stack.served_name,
-        "started": time.time(), "gpu_used_before": baseline,
-    })
+    started = False
+    try:
+        stack.engine.start()  # a runtime's StackError carries its own cause and fix
+        started = True
+        write_state(stack.project, {
+            "runtime": stack.engine.name, "flavour": stack.engine.flavour,
+            "engine": engine_of(resolved),
+            "compose_project": stack.compose_project,
+            "profile": resolved.profile, "platform": resolved.platform,
+            "sets": recorded_overrides(resolved),
+            "argv": command.argv, "url": stack.url, "served_name": stack.served_name,
+            "started": time.time(), "gpu_used_before": baseline,
+        })
+    except (FileWriteError, UpInterruptedError) as exc:
+        # An engine `down` could not account for (no state file) must not keep running; one
+        # interrupted while starting may be running already.
+        stack.engine.stop()
+        raise LifecycleError(f"{exc.cause}; the engine this `up` started was stopped"
+                             if started and isinstance(exc, FileWriteError) else exc.cause,
+                             exc.fix) from exc
+    return _boot(stack, notes, dashboard=dashboard, timeout=timeout)
+
+
+def _already_running(previous: Mapping[str, Any]) -> Guard:
+    if "argv" not in previous:
+        return Guard("already-running",
+                     "an engine this checkout started is running, but generated/state.json does "
+                     "not say with which command (an `invoke up` ended before it recorded it): "
+                     "one engine is resident at a time",
+                     "`invoke down` first, or `invoke up --stop-other` to stop it and start this one")
+    running = display_name(str(previous.get("engine") or VLLM))
+    return Guard(
+        "already-running",
+        f"the stack already runs {running} with profile {previous.get('profile', '?')} "
+        f"({previous.get('platform', '?')}) and another command: one engine is resident at a time",
+        "`invoke down` first, or `invoke up --stop-other` to stop it and start this one")
+
+
+def _boot(stack: Stack, notes: list[str], *, dashboard: bool, timeout: float | None) -> UpResult:
+    """Wait for the started engine's /health (stopping it when it dies, hangs or `up` is
+    interrupted), warm it up, start the dashboard."""
+    out, resolved = stack.out, stack.resolved
     limit = float(timeout or resolved.get_float("UP_TIMEOUT"))
     print(f"starting {stack.served_name} ({resolved.profile} on {resolved.platform}, "
           f"{stack.engine.name}); waiting up to {limit:.0f} s for {stack.url}/health", file=out)
+    booting = True
     try:
         boot = wait_until_healthy(stack.engine, stack.url, limit, Progress(out, out.isatty()),
                                   vendor=resolved.get_str("GPU_VENDOR"),
                                   secrets=resolved.secrets(),
                                   loading_503=engine_of(resolved) == LLAMACPP)
-    except LifecycleError:
-        # Keep the container (its log is the evidence) but stop a crash loop from burning GPU time.
-        stack.engine.stop()
+        booting = False
+        print(f"healthy after {boot:.1f} s", file=out)
+        warm = warm_up(stack.url, stack.served_name)
+        print(f"warm-up answered in {warm:.2f} s", file=out)
+        if dashboard:
+            start_dashboard(stack, notes)
+    except LifecycleError as exc:
+        # Keep the container (its log is the evidence) but stop a crash loop from burning GPU
+        # time; a failed warm-up leaves a healthy engine to look at, unless `up` was stopped.
+        if booting or isinstance(exc, UpInterruptedError):
+            stack.engine.stop()
         raise
-    print(f"healthy after {boot:.1f} s", file=out)
-    warm = warm_up(stack.url, stack.served_name)
-    print(f"warm-up answered in {warm:.2f} s", file=out)
-    if dashboard:
-        start_dashboard(stack, notes)
     return UpResult(stack.url, stack.served_name, boot, warm, notes)
 
 
@@ -202,15 +256,32 @@ def dashboard_down(stack: Stack) -> None:
     stack.engine.dashboard_down()
 
 
+def prepare_down(project: Project, *, dry_run: bool = False, out: TextIO | None = None) -> None:
+    """Before `down` resolves anything: a damaged generated/state.json is set aside (renamed,
+    not deleted), so `down` still stops the engine instead of refusing (serve.state)."""
+    if dry_run:
+        return
+    warning = set_aside_damaged(project)
+    if warning:
+        print(warning, file=out or sys.stdout)
+
+
 def down(stack: Stack, *, timeout: float = 120.0, dry_run: bool = False) -> bool:
-    """Stop everything the stack started, then wait for GPU memory to be released."""
-    with stack.lock("down", dry_run=dry_run):
+    """Stop everything the stack started, then wait for GPU memory to be released. An `up` of
+    this checkout that is still booting is stopped first (serve.interruption)."""
+    stopping_up = not dry_run and stop_booting_up(stack.project, stack.out)
+    with stack.lock("down", dry_run=dry_run, wait=UP_STOP_WAIT_S if stopping_up else None):
         return _down(stack, timeout=timeout, dry_run=dry_run)
 
 
 def _down(stack: Stack, *, timeout: float, dry_run: bool) -> bool:
+    note = foreign_state(stack.project)
+    if note:
+        print(f"note: {note}", file=stack.out)
     previous = read_state(stack.project) or {}
-    stack.engine.remove()
+    left = stack.engine.remove() or []
+    for line in left:
+        print(line, file=stack.out)
     if dry_run:
         return True
     if health_status(stack.url) is not None:
@@ -218,8 +289,11 @@ def _down(stack: Stack, *, timeout: float, dry_run: bool) -> bool:
         raise LifecycleError(
             f"{stack.url} still answers after the {stack.engine.name} runtime stopped what it "
             f"knows of: {identify_server(stack.url)}",
-            f"find the process listening on port {stack.port} (ss -ltnp 'sport = :{stack.port}') "
-            "and end it; if it is this stack's engine, report how it escaped `down`")
+            (f"it is served by a process this checkout did not start ({len(left)} left alone, "
+             "named above): stop it where it was started, or give this checkout its own "
+             "VLLM_PORT" if left else
+             f"find the process listening on port {stack.port} (ss -ltnp 'sport = :{stack.port}') "
+             "and end it; if it is this stack's engine, report how it escaped `down`"))
     baseline = previous.get("gpu_used_before")
     released, used = wait_gpu_release(stack.probe, baseline if isinstance(baseline, int) else None,
                                       timeout)

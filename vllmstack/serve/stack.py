@@ -51,12 +51,13 @@ class Stack:
     def port(self) -> int:
         return self.resolved.get_int("VLLM_PORT")
 
-    def lock(self, command: str, *, dry_run: bool = False) -> AbstractContextManager[None]:
+    def lock(self, command: str, *, dry_run: bool = False, wait: float | None = None,
+             stoppable: bool = False) -> AbstractContextManager[None]:
         """The stack lock for `up`/`down` (vllmstack.core.checkout); a dry run changes nothing
-        and takes none."""
+        and takes none. `stoppable`: this command ends cleanly on SIGTERM (see lifecycle.down)."""
         if dry_run:
             return contextlib.nullcontext()
-        return stack_lock(self.project.generated, command,
+        return stack_lock(self.project.generated, command, wait=wait, stoppable=stoppable,
                           say=lambda line: print(line, file=self.out))
 
     @property

@@ -3,16 +3,24 @@
 generated/state.json records the runtime (and compose flavour), the Compose project name, profile,
 platform, the exact argv, the URL and GPU memory in use before `up`. It decides which runtime and
 which containers later commands look at, so a damaged one is an error that names it, never a
-guess: guessing would make `down` look for the wrong containers and report "stopped".
+guess: guessing would make `down` look for the wrong containers and report "stopped". Only
+`down` goes on past a damaged one: it sets the file aside (renamed, not deleted) and stops what
+this checkout's own markers and settings name (`set_aside_damaged`).
+
+It also records the checkout that wrote it (its id and path): a copy of a checkout (`cp -a A B`)
+carries A's state.json, which names A's Compose project; B ignores it (`read_state` gives None,
+`foreign_state` says why), so B's `down` never stops A's containers.
 """
 
 from __future__ import annotations
 
-import json
+import re
+import time
 from typing import Any
 
+from vllmstack.core.checkout import checkout_id, default_compose_project
 from vllmstack.core.errors import StackError
-from vllmstack.core.files import PRIVATE, write_json
+from vllmstack.core.files import PRIVATE, FileWriteError, JsonFileError, read_json_file, write_json
 from vllmstack.core.paths import Project
 
 STATE_FILE = "state.json"
@@ -22,7 +30,12 @@ FIELDS: dict[str, tuple[type, ...]] = {
     "profile": (str,), "platform": (str,), "argv": (list,), "url": (str,),
     "served_name": (str,), "started": (int, float), "gpu_used_before": (int, type(None)),
     "sets": (list,),  # the --set overrides (serve.running: later commands resolve the same)
+    "checkout": (str,), "root": (str,),  # who wrote it (a copied checkout is not that one)
 }
+# A state file is a few kilobytes (the argv); far more is not one the stack wrote.
+STATE_MAX_BYTES = 1_000_000
+# The Compose project name a checkout derives from its path (core.checkout.default_compose_project).
+DERIVED_PROJECT = re.compile(r"vllmstack-[0-9a-f]{8}")
 
 
 class StateError(StackError):
@@ -30,32 +43,88 @@ class StateError(StackError):
 
 
 def write_state(project: Project, state: dict[str, Any]) -> None:
-    """Created mode 0600: the recorded argv can hold a token (--api-key in VLLM_EXTRA_ARGS)."""
-    project.generated.mkdir(mode=0o700, parents=True, exist_ok=True)
-    write_json(project.generated / STATE_FILE, state, mode=PRIVATE)
+    """Created mode 0600: the recorded argv can hold a token (--api-key in VLLM_EXTRA_ARGS).
+    A write that fails (full disk, no permission) raises FileWriteError naming the file."""
+    path = project.generated / STATE_FILE
+    try:
+        project.generated.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise FileWriteError(path, exc) from exc
+    write_json(path, {**state, "checkout": checkout_id(project.root),
+                      "root": str(project.root.resolve())}, mode=PRIVATE)
 
 
 def read_state(project: Project) -> dict[str, Any] | None:
     """The recorded state; None when there is none. A file that is there but unreadable,
     not JSON, or has a field of the wrong type raises StateError naming the file."""
+    data = _read(project)
+    return None if data is None or _written_elsewhere(project, data) else data
+
+
+def foreign_state(project: Project) -> str | None:
+    """Why generated/state.json is ignored here: it was written by another checkout (this one
+    is a copy of it); None when it is this checkout's, absent or damaged."""
+    try:
+        data = _read(project)
+    except StateError:
+        return None
+    if data is None:
+        return None
+    origin = _written_elsewhere(project, data)
+    if origin is None:
+        return None
+    return (f"generated/{STATE_FILE} was written by {origin}, not by this checkout (a copy of "
+            "it?): ignored here")
+
+
+def set_aside_damaged(project: Project) -> str | None:
+    """`down` on a damaged state file: rename it (state.json.damaged-TIME, never deleted) so the
+    stack can be stopped by what its markers and settings name; returns the warning to print,
+    None when the file is fine or absent."""
+    try:
+        _read(project)
+    except StateError as exc:
+        path = project.generated / STATE_FILE
+        aside = path.with_name(f"{STATE_FILE}.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
+        try:
+            path.rename(aside)
+        except OSError:
+            raise exc from None
+        return (f"warning: {exc.cause.split('; it records')[0]}; set aside as "
+                f"generated/{aside.name}: stopping what this checkout's markers and settings "
+                "name (a Compose stack started under another project name is not found this way)")
+    return None
+
+
+def _read(project: Project) -> dict[str, Any] | None:
     path = project.generated / STATE_FILE
     where = f"generated/{STATE_FILE}"
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
+        data = read_json_file(path, where, max_bytes=STATE_MAX_BYTES)
+    except JsonFileError as exc:
+        raise _damaged(exc.cause) from exc
+    if data is None:
         return None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise _damaged(f"{where} cannot be read ({exc})") from exc
-    try:
-        data = json.loads(text)
-    except ValueError as exc:
-        raise _damaged(f"{where} is not valid JSON ({exc})") from exc
-    if not isinstance(data, dict):
-        raise _damaged(f"{where} holds a JSON {type(data).__name__}, not an object")
     for key, types in FIELDS.items():
         if (key in data and not isinstance(data[key], types)) or isinstance(data.get(key), bool):
             raise _damaged(f"{where}: {key} is {data[key]!r}, which no `invoke up` writes")
-    return data
+    return dict(data)
+
+
+def _written_elsewhere(project: Project, data: dict[str, Any]) -> str | None:
+    """The checkout that wrote `data` when it is not this one, else None. A state file from
+    before the checkout was recorded still tells: a Compose project name derived from another
+    path."""
+    recorded = data.get("checkout")
+    if isinstance(recorded, str):
+        if recorded == checkout_id(project.root):
+            return None
+        return f"the checkout at {data.get('root') or '?'}"
+    name = data.get("compose_project")
+    if isinstance(name, str) and DERIVED_PROJECT.fullmatch(name) \
+            and name != default_compose_project(project.root):
+        return f"another checkout (its Compose project {name} is derived from another path)"
+    return None
 
 
 def _damaged(cause: str) -> StateError:

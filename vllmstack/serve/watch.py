@@ -201,10 +201,19 @@ def _engine_died(engine: EngineRuntime, state: EngineState, elapsed: float,
                  secrets: Sequence[str] = ()) -> LifecycleError:
     lines = _masked(engine.log_lines(DIAGNOSIS_LINES), secrets)
     found = diagnosis.diagnose(lines, state.exit_code, vendor)
+    full = state.details.get("disk_full")
+    if full and found.code == "unknown":
+        # The log holds nothing because nothing more could be written to it.
+        found = diagnosis.Diagnosis(
+            "disk-full", f"the file system holding {full} is full, so the engine could not write "
+            "its log (and died of it, or its error is missing from the log)",
+            f"free space there (df -h {full}), then `invoke up` again", None, None)
     if health_503:
         what = "the engine died after its API server came up (/health answered 503)"
     elif state.status == "restarting" or state.restart_count:
         what = f"the engine died and is crash-looping (restarted {state.restart_count} time(s))"
+    elif state.exit_code is None:
+        what = "the engine ended (its exit code was not recorded)"
     else:
         what = f"the engine exited with code {state.exit_code}"
     details = ["--- last log lines ---", *lines[-15:], "--- diagnosis ---"]

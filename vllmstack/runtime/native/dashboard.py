@@ -38,6 +38,7 @@ from vllmstack.runtime.native.records import (
     dashboard_marker_prefix,
     load_record_file,
     native_folder,
+    origin_of,
 )
 
 # Where this very package lives: the keeper and the dashboard import it from there, whatever the
@@ -187,12 +188,13 @@ class NativeDashboard:
         record, problem, foreign = load_record_file(self.project, self.record_path, "dashboard",
                                                     dashboard_marker_prefix(self.project))
         if record is None:
-            if problem and not quiet:
-                print(f"note: {problem}; not used", file=self.out)
             left = []
             if foreign is not None and self._runs(foreign):
-                left.append(f"left alone: pid {foreign.pid} ({self.table.cmdline(foreign.pid)[:100]}),"
-                            f" a dashboard this checkout did not start ({problem})")
+                left.append(f"left alone: pid {foreign.pid}, the dashboard of "
+                            f"{origin_of(foreign, self.project)} (its record came here with a copy "
+                            f"of that checkout): {self.table.cmdline(foreign.pid)[:100]}")
+            elif problem and not quiet:
+                print(f"note: {problem}; ignored", file=self.out)
             if problem and not self.runner.dry_run:
                 self._forget()
             return left

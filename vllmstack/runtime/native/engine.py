@@ -58,6 +58,7 @@ from vllmstack.runtime.native.records import (
     marker_prefix,
     native_folder,
     new_marker,
+    origin_of,
 )
 
 # The keeper writes the exit code a moment after the engine ends; state() waits this long for it.
@@ -205,6 +206,10 @@ class NativeEngine:
         leftovers = [p.pid for p in EngineGroup(record, self.table).find()]
         if leftovers:
             details["leftover_pids"] = leftovers
+        if disk_full(self.folder):
+            # Its log could not be written: the likeliest reason it died, and one its log
+            # cannot show (serve.watch says so instead of "no known error signature").
+            details["disk_full"] = str(self.folder)
         if code is None:
             return EngineState(True, False, "dead", details=details)
         return EngineState(True, False, "exited", exit_code=code, details=details)
@@ -274,13 +279,14 @@ class NativeEngine:
         """Another checkout's record (this one is a copy): named, never used or signalled."""
         proc = self.table.get(record.pid)
         running = proc is not None and not proc.zombie and proc.start_ticks == record.start_ticks
-        line = (f"left alone: pid {record.pid} ({self.table.cmdline(record.pid)[:100] or '?'}), "
-                f"which {problem.removeprefix('the ')}" if running else "")
-        print(f"note: {problem}; " + ("its process is not this checkout's: left alone (pid "
-                                      f"{record.pid})" if running else "ignored"), file=self.out)
         if not self.runner.dry_run:
             self._forget()  # a copy's record: it never named anything of this checkout
-        return [line] if line else []
+        if not running:
+            print(f"note: {problem}; its engine has ended: record ignored", file=self.out)
+            return []
+        return [f"left alone: pid {record.pid}, the native engine of {origin_of(record, self.project)}"
+                f" (its record came here with a copy of that checkout): "
+                f"{self.table.cmdline(record.pid)[:100]}"]
 
     def members(self) -> list[dict[str, Any]]:
         record = self.read_record()
@@ -447,3 +453,16 @@ def read_exit_code(path: Path, record: EngineRecord) -> int | None:
     code = data.get("code")
     return code if isinstance(code, int) and not isinstance(code, bool) else None
 
+
+
+# Less free space than this, where the engine writes its log, counts as a full disk.
+DISK_FULL_BYTES = 1024 * 1024
+
+
+def disk_full(folder: Path) -> bool:
+    """Whether the file system holding `folder` has (almost) no space left for this user."""
+    try:
+        stats = os.statvfs(folder)
+    except OSError:
+        return False
+    return stats.f_bavail * stats.f_frsize < DISK_FULL_BYTES

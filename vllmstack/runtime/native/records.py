@@ -90,6 +90,13 @@ def native_folder(project: Project) -> Path:
     return project.generated / FOLDER
 
 
+def origin_of(record: EngineRecord, project: Project) -> str:
+    """Who wrote another checkout's record, for the line that names what was left alone."""
+    if record.root and record.root != str(project.root.resolve()):
+        return f"the checkout at {record.root}"
+    return "another checkout (or written by hand)"
+
+
 class Loaded(NamedTuple):
     """A record as read: the record (None: none, damaged or not this checkout's), why it cannot
     be used ("" when there is simply none), and the record itself when it is another
@@ -124,10 +131,9 @@ def load_record_file(project: Project, path: Path, what: str, prefix: str) -> Lo
     if record is None:
         return Loaded(None, f"{shown} lacks a usable pid, start time or marker")
     if not record.marker.startswith(prefix):
-        origin = (f"the checkout at {record.root}" if record.root and record.root != str(
-            project.root.resolve()) else "another checkout (or by hand)")
-        return Loaded(None, f"{shown} was written by {origin}, not by this one (its marker "
-                            f"{record.marker[:24]!r} does not start with {prefix!r})", record)
+        return Loaded(None, f"{shown} was written by {origin_of(record, project)}, not by this "
+                            f"one (its marker does not start with this checkout's {prefix!r})",
+                      record)
     return Loaded(record, "")
 
 
