@@ -25,6 +25,7 @@ from vllmstack.cli.common import (
     project_here,
     resolve_here,
 )
+from vllmstack.cli.export_tasks import export  # noqa: F401
 from vllmstack.cli.fleet_tasks import bench_vs, burn, router  # noqa: F401 (invoke finds them here)
 from vllmstack.cli.llamacpp_tasks import gguf_convert, gpu_check  # noqa: F401
 from vllmstack.cli.task import bench_task, exit_with, stack_task
@@ -74,15 +75,19 @@ def test(c: Context, quick: bool = False, k: str | None = None) -> None:
 @stack_task(iterable=["set"], help={**PROFILE_HELP, **JSON_HELP, "verbose": "show info findings too",
                                     "deep": "also parse the argv with the pinned vLLM's own parser",
                                     "runtime": "check for this runtime (native, compose, compose-v1, "
-                                    "podman; default RUNTIME)"})
+                                    "podman; default RUNTIME)", "target": "also what does not "
+                                    "translate to an export: kube, production-stack or quadlet"})
 def check(c: Context, model: Opt = None, platform: Opt = None, set: Sets = None, runtime: Opt = None,
-          json: bool = False, deep: bool = False, verbose: bool = False) -> None:
+          json: bool = False, deep: bool = False, verbose: bool = False, target: Opt = None) -> None:
     """Report every problem found before boot, each with the key, the file that set it and a fix."""
     from vllmstack.checks import registry as checks
 
     resolved = _resolve(model, platform, set)
     findings = checks.check_profile(_project(), resolved, os.environ, _runner(False), deep=deep,
                                     runtime=runtime)
+    if target:  # `invoke export`'s findings too: what a cluster or a Quadlet unit cannot take
+        from vllmstack.export.service import target_findings
+        findings = target_findings(_project(), target, resolved, os.environ, _runner(False), findings)
     _print_json(checks.report_json(resolved, findings)) if json else print(
         checks.render_report(resolved, findings, verbose=verbose))
     exit_with(1 if any(f.severity == "error" for f in findings) else 0)
@@ -143,6 +148,7 @@ def up(c: Context, model: Opt = None, platform: Opt = None, set: Sets = None, ru
 def down(c: Context, model: Opt = None, platform: Opt = None, set: Sets = None, runtime: Opt = None,
          timeout: float = 120.0, dry_run: bool = False) -> None:
     """Stop everything the stack started and wait until GPU memory is released."""
+    _lifecycle().prepare_down(_project(), dry_run=dry_run)  # a damaged state.json is set aside
     _lifecycle().down(_stack(model, platform, set, runtime, dry_run), timeout=timeout, dry_run=dry_run)
 
 

@@ -1,0 +1,32 @@
+"""`invoke export`: a profile (or several) to vLLM's production-stack chart, Kubernetes manifests or
+a Podman Quadlet unit (vllmstack/export/)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from invoke.context import Context
+
+from vllmstack.cli.common import JSON_HELP, PROFILE_HELP, Opt, Sets, make_runner, print_json, project_here
+from vllmstack.cli.task import stack_task
+
+
+@stack_task(iterable=["model", "set"], help={
+    **PROFILE_HELP, **JSON_HELP,
+    "to": "production-stack (Helm values for vLLM's production-stack chart) | kube (Kubernetes "
+          "manifests) | quadlet (a Podman Quadlet .container unit)",
+    "model": "model profile, repeatable: production-stack writes one modelSpec each, kube and "
+             "quadlet one set of files each (default: MODEL_PROFILE in .env)",
+    "out": "folder to write into (default: generated/export/<target>)",
+    "verbose": "show the notes too (info findings)"})
+def export(c: Context, to: str, model: Sets = None, platform: Opt = None, set: Sets = None,
+           out: Opt = None, json: bool = False, verbose: bool = False) -> None:
+    """Export profiles to a cluster or a systemd host: the same argv, image, GPUs, files, checks."""
+    from vllmstack.export import service
+
+    project = project_here()
+    plan = service.plan_export(project, to, model or [None], platform, set or [], os.environ,
+                               make_runner(False))
+    done = service.export(project, plan, Path(out) if out else None)
+    print_json(service.export_json(done)) if json else print(service.render_exported(done, verbose=verbose))

@@ -1,0 +1,140 @@
+"""`invoke export --to kube`: plain Kubernetes manifests for one profile - a Deployment running
+the profile's exact argv, a Service, the PersistentVolumeClaim of its Hugging Face cache, and a
+ConfigMap with the files the argv reads (chat template, tuned configs, overlays).
+
+The pod is the compose container's layout (layout.py) on cluster parts: the HF cache on a PVC,
+the engine caches on an emptyDir, /dev/shm a memory emptyDir of EXPORT_SHM_SIZE (compose uses
+the host's IPC), the GPUs an extended resource of the vendor's device plugin (count: TP x PP),
+probes on /health with a startup budget of UP_TIMEOUT (what `invoke up` waits). One replica,
+replaced with `Recreate`: a rolling update would need twice the GPUs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from vllmstack.core.findings import Finding
+from vllmstack.export.layout import ENGINE_CACHE, HF_CACHE
+from vllmstack.export.pod import (
+    ENGINE_CACHE_VOLUME,
+    FILES_VOLUME,
+    GPU_RESOURCE,
+    MODELS_VOLUME,
+    config_map_name,
+    file_key,
+    files_config_map,
+    k8s_literal,
+    labels,
+    models_claim,
+    pod_environment,
+    pod_findings,
+    resource_name,
+    secret_value_from,
+)
+from vllmstack.export.spec import PLACEHOLDER, EngineSpec, describe
+
+HF_VOLUME = "hf-cache"
+SHM_VOLUME = "shm"
+PORT_NAME = "http"
+PROBE_PERIOD = 10
+
+
+def kube_word(word: str) -> str:
+    """An argv word for a container's command: secret placeholders become $(VAR), which the
+    kubelet fills from the pod's environment; everything else is escaped literal text."""
+    parts = PLACEHOLDER.split(word)
+    return "".join(k8s_literal(p) if i % 2 == 0 else f"$({p})" for i, p in enumerate(parts))
+
+
+def build_manifests(spec: EngineSpec) -> tuple[list[dict[str, Any]], list[Finding]]:
+    """The documents for one profile, in the order `kubectl apply -f` should create them."""
+    findings: list[Finding] = []
+    if spec.gpus > spec.node_gpus > 0:
+        findings.append(Finding(
+            "error", "export-multi-node",
+            f"{spec.profile} needs {spec.gpus} GPUs and one {spec.platform} box has "
+            f"{spec.node_gpus}; a Deployment's pod runs on one node",
+            key="VLLM_TP", source=spec.resolved.source("VLLM_TP"),
+            fix="export it with --to production-stack, whose raySpec spreads it over nodes"))
+    env, env_findings = pod_environment(spec)
+    findings += env_findings + pod_findings(spec)
+    name = resource_name(spec.profile, "vllmstack-")
+    documents: list[dict[str, Any]] = []
+    volumes: list[dict[str, Any]] = [
+        {"name": HF_VOLUME, "persistentVolumeClaim": {"claimName": f"{name}-hf-cache"}},
+        {"name": ENGINE_CACHE_VOLUME, "emptyDir": {}},
+        {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory",
+                                          "sizeLimit": spec.setting("EXPORT_SHM_SIZE")}},
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": HF_VOLUME, "mountPath": spec.layout.mounts[HF_CACHE]},
+        {"name": ENGINE_CACHE_VOLUME, "mountPath": spec.layout.mounts[ENGINE_CACHE]},
+        {"name": SHM_VOLUME, "mountPath": "/dev/shm"},
+    ]
+    if spec.files:
+        documents.append(files_config_map(spec, binary=False))
+        volumes.append({"name": FILES_VOLUME, "configMap": {"name": config_map_name(spec)}})
+        mounts += [{"name": FILES_VOLUME, "mountPath": f.target, "subPath": file_key(i, f),
+                    "readOnly": True} for i, f in enumerate(spec.files)]
+    if spec.models_dir and spec.models_dir in " ".join(spec.argv):
+        volumes.append({"name": MODELS_VOLUME,
+                        "persistentVolumeClaim": {"claimName": models_claim(spec), "readOnly": True}})
+        mounts.append({"name": MODELS_VOLUME, "mountPath": spec.models_dir, "readOnly": True})
+    claim: dict[str, Any] = {
+        "accessModes": ["ReadWriteOnce"],
+        "resources": {"requests": {"storage": spec.setting("EXPORT_CACHE_SIZE")}}}
+    if spec.setting("EXPORT_STORAGE_CLASS"):
+        claim["storageClassName"] = spec.setting("EXPORT_STORAGE_CLASS")
+    documents.append({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+                      "metadata": {"name": f"{name}-hf-cache", "labels": labels(spec)},
+                      "spec": claim})
+    documents.append(_deployment(spec, name, env, volumes, mounts))
+    documents.append({
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": name, "labels": labels(spec)},
+        "spec": {"type": "ClusterIP", "selector": labels(spec),
+                 "ports": [{"name": PORT_NAME, "port": spec.port, "targetPort": PORT_NAME,
+                            "protocol": "TCP"}]}})
+    return documents, findings
+
+
+def _deployment(spec: EngineSpec, name: str, env: dict[str, str], volumes: list[dict[str, Any]],
+                mounts: list[dict[str, Any]]) -> dict[str, Any]:
+    resources: dict[str, Any] = {"requests": {"cpu": spec.resolved.get_int("EXPORT_CPU_REQUEST"),
+                                              "memory": spec.setting("EXPORT_MEMORY_REQUEST")}}
+    if spec.vendor in GPU_RESOURCE and spec.gpus:
+        # Extended resources are requested through limits (requests default to them).
+        resources["limits"] = {GPU_RESOURCE[spec.vendor]: spec.gpus}
+    probe = {"httpGet": {"path": "/health", "port": PORT_NAME}}
+    health = spec.layout.health
+    container: dict[str, Any] = {
+        "name": "engine",
+        "image": spec.image,
+        "command": [kube_word(w) for w in spec.entrypoint],
+        "args": [kube_word(w) for w in spec.command_args],
+        "ports": [{"name": PORT_NAME, "containerPort": spec.port, "protocol": "TCP"}],
+        "env": [*({"name": k, "value": k8s_literal(v)} for k, v in env.items()),
+                *({"name": s.name, "valueFrom": secret_value_from(spec, s)} for s in spec.secrets)],
+        "resources": resources,
+        "volumeMounts": mounts,
+        "startupProbe": {**probe, "periodSeconds": PROBE_PERIOD, "failureThreshold":
+                         math.ceil(spec.resolved.get_int("UP_TIMEOUT") / PROBE_PERIOD)},
+        "readinessProbe": {**probe, "periodSeconds": PROBE_PERIOD, "failureThreshold": 3},
+        "livenessProbe": {**probe, "periodSeconds": health.interval, "timeoutSeconds": health.timeout,
+                          "failureThreshold": health.retries},
+    }
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": name, "labels": labels(spec), "annotations": describe(spec)},
+        "spec": {
+            "replicas": 1,
+            "strategy": {"type": "Recreate"},
+            "selector": {"matchLabels": labels(spec)},
+            "template": {
+                "metadata": {"labels": labels(spec), "annotations": describe(spec)},
+                "spec": {"terminationGracePeriodSeconds": spec.layout.stop_grace,
+                         "containers": [container], "volumes": volumes},
+            },
+        },
+    }

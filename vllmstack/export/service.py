@@ -1,0 +1,206 @@
+"""`invoke export`: profiles to production-stack values, Kubernetes manifests or Quadlet units.
+
+`plan_export` builds every document in memory with what did not translate (findings) and the
+validators' verdicts; `invoke check --target` shows those findings. `export` writes the plan
+into a folder a user reads (default generated/export/<target>/), and refuses when an error
+finding remains: nothing invalid or half-translated is written. A file there that `invoke
+export` did not write is never overwritten.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from vllmstack.config.profiles import Resolved, resolve
+from vllmstack.core.files import write_text
+from vllmstack.core.findings import Finding, has_errors, sort_findings
+from vllmstack.core.paths import Project
+from vllmstack.core.runner import Runner
+from vllmstack.export import helm, kube, quadlet, validate
+from vllmstack.export.spec import EngineSpec, ExportError, engine_spec
+
+PRODUCTION_STACK = "production-stack"
+KUBE = "kube"
+QUADLET = "quadlet"
+TARGETS = (PRODUCTION_STACK, KUBE, QUADLET)
+MARKER = "Written by `invoke export"
+# What an exported folder's files may be read by: they hold no secret (references only).
+MODE = 0o644
+
+
+@dataclass
+class Plan:
+    target: str
+    specs: list[EngineSpec]
+    files: dict[str, str] = field(default_factory=dict)   # file name -> text
+    findings: list[Finding] = field(default_factory=list)
+    validated: list[str] = field(default_factory=list)    # what was validated, and how
+
+    @property
+    def ok(self) -> bool:
+        return not has_errors(self.findings)
+
+
+@dataclass
+class Exported:
+    plan: Plan
+    folder: Path
+    written: list[Path]
+
+
+def plan_export(project: Project, target: str, models: Sequence[str | None], platform: str | None,
+                sets: Sequence[str], environ: Mapping[str, str], runner: Runner) -> Plan:
+    """Every document of the export, its findings and its validation, nothing written."""
+    profiles = [resolve(project, platform=platform, model=model, overrides=list(sets), environ=environ)
+                for model in models or [None]]
+    return plan_profiles(project, target, profiles, environ, runner)
+
+
+def plan_profiles(project: Project, target: str, profiles: Sequence[Resolved],
+                  environ: Mapping[str, str], runner: Runner) -> Plan:
+    """plan_export for profiles already resolved."""
+    if target not in TARGETS:
+        raise ExportError(f"{target!r} is not an export target",
+                          f"use one of: {', '.join(TARGETS)}")
+    specs = [engine_spec(project, resolved, environ, runner) for resolved in profiles]
+    names = [s.profile for s in specs]
+    if len(set(names)) != len(names):
+        raise ExportError(f"--model names a profile twice ({', '.join(names)})",
+                          "give each profile once")
+    plan = Plan(target, specs)
+    for spec in specs:
+        plan.findings += spec.findings
+    if target == PRODUCTION_STACK:
+        _plan_chart(plan)
+    elif target == KUBE:
+        _plan_kube(plan)
+    else:
+        _plan_quadlet(plan, dict(environ), runner)
+    plan.findings = sort_findings(_unique(plan.findings))
+    return plan
+
+
+def target_findings(project: Project, target: str, resolved: Resolved, environ: Mapping[str, str],
+                    runner: Runner, findings: Sequence[Finding]) -> list[Finding]:
+    """`invoke check --target`: the checks' findings and the export's (what does not translate)."""
+    planned = plan_profiles(project, target, [resolved], environ, runner)
+    return sort_findings(_unique([*findings, *planned.findings]))
+
+
+def _plan_chart(plan: Plan) -> None:
+    values, findings = helm.build_values(plan.specs)
+    plan.findings += findings
+    if not values:
+        return
+    _checked(plan, lambda: validate.validate_values(values),
+             f"values.yaml against the values.schema.json of production-stack's chart vllm-stack "
+             f"{validate.CHART_VERSION} (vllmstack/export/schemas), and only keys it declares")
+    profiles = ", ".join(s.profile for s in plan.specs)
+    header = (f"# {MARKER} --to {PRODUCTION_STACK}` for {profiles} on {plan.specs[0].platform}.\n"
+              f"# helm install vllm vllm/vllm-stack --version {validate.CHART_VERSION} -f values.yaml "
+              "(README: When one box is not enough)\n")
+    plan.files["values.yaml"] = header + _yaml(values)
+
+
+def _plan_kube(plan: Plan) -> None:
+    for spec in plan.specs:
+        documents, findings = kube.build_manifests(spec)
+        plan.findings += findings
+        _checked(plan, lambda d=documents: validate.validate_manifests(d),
+                 f"{spec.profile}.yaml with kubernetes-validate --strict, Kubernetes "
+                 f"{validate.KUBERNETES_VERSION}")
+        header = (f"# {MARKER} --to {KUBE}` for {spec.profile} on {spec.platform}.\n"
+                  f"# kubectl apply -f {spec.profile}.yaml (README: When one box is not enough)\n")
+        plan.files[f"{spec.profile}.yaml"] = header + "---\n".join(_yaml(d) for d in documents)
+
+
+def _plan_quadlet(plan: Plan, environ: dict[str, str], runner: Runner) -> None:
+    binary = validate.quadlet_binary()
+    for spec in plan.specs:
+        text, findings = quadlet.build_unit(spec, spec.resolved, environ)
+        plan.findings += findings
+        name = quadlet.unit_name(spec)
+        problems = validate.validate_unit(text)
+        how = f"{name}.container: the keys of Podman 4.4's Quadlet, sections, quoting"
+        if binary:
+            problems += validate.run_quadlet(runner, text, name, binary)
+            how += f", and {binary} -dryrun"
+        plan.findings += [_invalid(p) for p in problems]
+        plan.validated.append(how)
+        plan.files[f"{name}.container"] = text
+
+
+def _checked(plan: Plan, check: Any, how: str) -> None:
+    try:
+        problems: list[str] = check()
+    except validate.ValidatorMissingError as exc:
+        plan.findings.append(Finding("warning", "export-not-validated", f"not validated: {exc}",
+                                     fix=validate.EXTRA_HINT))
+        return
+    plan.findings += [_invalid(p) for p in problems]
+    plan.validated.append(how)
+
+
+def _invalid(problem: str) -> Finding:
+    return Finding("error", "export-invalid", problem,
+                   fix="report this: the export wrote something its validator refuses")
+
+
+def _unique(findings: list[Finding]) -> list[Finding]:
+    seen: set[Finding] = set()
+    return [f for f in findings if not (f in seen or seen.add(f))]  # type: ignore[func-returns-value]
+
+
+class _Dumper(yaml.SafeDumper):
+    """Writes a shared dict (one probe in three places) out each time, never as &anchor/*alias."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def _yaml(document: Any) -> str:
+    return yaml.dump(document, Dumper=_Dumper, sort_keys=False, width=1000, allow_unicode=True)
+
+
+def export(project: Project, plan: Plan, out: Path | None = None) -> Exported:
+    """Write the plan's files; ExportError (with every error finding) when it has errors."""
+    if not plan.ok:
+        errors = [f.render() for f in plan.findings if f.severity == "error"]
+        raise ExportError(f"{len(errors)} problem(s) stop the export to {plan.target}; nothing "
+                          "was written", "fix each one above, then export again", details=errors)
+    folder = out or project.generated / "export" / plan.target
+    for name in plan.files:
+        path = folder / name
+        if path.exists() and MARKER not in path.read_text(encoding="utf-8", errors="replace")[:400]:
+            raise ExportError(f"{path} exists and was not written by `invoke export`; it is "
+                              "left as it is", "choose another --out folder, or move that file")
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, text in plan.files.items():
+        write_text(folder / name, text, MODE)
+        written.append(folder / name)
+    return Exported(plan, folder, written)
+
+
+def render_exported(done: Exported, *, verbose: bool = False) -> str:
+    plan = done.plan
+    lines = [f.render() for f in plan.findings if verbose or f.severity != "info"]
+    lines += [f"wrote {path}" for path in done.written]
+    lines += [f"validated {how}" for how in plan.validated]
+    lines.append(f"{len(plan.specs)} profile(s) exported to {plan.target}; "
+                 f"{sum(f.severity == 'warning' for f in plan.findings)} warning(s), "
+                 f"{sum(f.severity == 'info' for f in plan.findings)} note(s)"
+                 + ("" if verbose else " (--verbose shows the notes)"))
+    return "\n".join(lines)
+
+
+def export_json(done: Exported) -> dict[str, Any]:
+    return {"target": done.plan.target, "folder": str(done.folder),
+            "profiles": [s.profile for s in done.plan.specs],
+            "files": [str(p) for p in done.written], "validated": done.plan.validated,
+            "findings": [f.to_json() for f in done.plan.findings]}
