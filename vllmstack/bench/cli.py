@@ -85,9 +85,21 @@ def resolve_target(args: argparse.Namespace, project: Project,
         raise CliError(f"{exc} (or pass --url and --model to target any server)") from exc
     target = target_from_profile(resolved, url=args.url, model=args.model,
                                  tokenizer=args.tokenizer, max_num_seqs=args.max_num_seqs)
+    target.roofline = roofline_inputs(resolved, environ)
     if api_key:
         target.api_key = api_key
     return target
+
+
+def roofline_inputs(resolved: Any, environ: Mapping[str, str]) -> dict[str, Any] | None:
+    """The roofline's inputs; a profile too vague for them costs the column, not the run."""
+    from vllmstack.bench import roofline
+
+    try:
+        return roofline.inputs_from_profile(resolved, environ)
+    except (StackError, ValueError) as exc:
+        print(f"note: no roofline: {exc}", file=sys.stderr)
+        return None
 
 
 def _history_dir(args: argparse.Namespace, project: Project) -> Path | None:

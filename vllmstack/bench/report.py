@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from vllmstack.bench import history
+from vllmstack.bench import history, roofline
 from vllmstack.bench.png import GLYPH_H, Canvas, Color, text_width
 
 SERIES_COLORS: list[Color] = [(31, 119, 180), (214, 39, 40), (44, 160, 44), (255, 127, 14),
@@ -83,7 +83,8 @@ def record_rows(kind: str, rec: dict[str, Any]) -> list[list[str]]:
                          str(row.get("pp")), str(row.get("tg")), _spread(row, "ttft_ms"),
                          _pp(row), _spread(row, "tg_tps", ".2f"),
                          f"{_pct(row, 'itl_ms', 'p50', '.2f')}/"
-                         f"{_pct(row, 'itl_ms', 'p99', '.2f')}", str(row.get("errors", 0))])
+                         f"{_pct(row, 'itl_ms', 'p99', '.2f')}", roofline.cell(row),
+                         str(row.get("errors", 0))])
     elif kind == "depth":
         for row in _results(rec):
             ctx = row.get("ctx_pp_tps")
@@ -113,7 +114,7 @@ def record_rows(kind: str, rec: dict[str, Any]) -> list[list[str]]:
 
 HEADERS = {
     "bench": ["when", "profile", "model", "pp", "tg", "TTFT ms", "pp t/s", "tg t/s",
-              "ITL p50/p99 ms", "failed"],
+              "ITL p50/p99 ms", "% roofline", "failed"],
     "depth": ["when", "model", "depth", "mode", "TTFT ms", "pp t/s", "ctx pp t/s", "tg t/s",
               "ITL p99 ms"],
     "conc": ["when", "model", "c", "total tg t/s", "tg t/s per request", "TTFT p50/p99 ms",

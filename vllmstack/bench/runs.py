@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from vllmstack.bench import history
+from vllmstack.bench import history, roofline
 from vllmstack.bench.client import ChatClient, EndpointError
 from vllmstack.bench.conc_runs import run_conc, run_conc_level
 from vllmstack.bench.depth_runs import run_depth
@@ -150,6 +150,11 @@ async def execute(
     finally:
         if own_client:
             await client.aclose()
+    for row in rows:  # % of what the card allows at best (None on a CPU)
+        row["roofline"] = roofline.row_roofline(row, target.roofline)
+        line = roofline.progress_line(row, f"pp{row.get('pp')} tg{row.get('tg')}")
+        if line:
+            progress(line)
     failed = sum(row["errors"] for row in rows)
     status = "ok" if rows and not failed else "failed"
     record: dict[str, Any] = {

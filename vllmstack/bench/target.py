@@ -39,6 +39,8 @@ class Target:
     # The stack's Hugging Face cache (HF_HOME of the engine) when the profile moves it
     # (HF_CACHE_DIR / HOST_CACHE_DIR): a tokenizer given as a hub id is looked up there first.
     hf_cache: str | None = None
+    # What the card and the model allow at best (bench/roofline.py); None on a CPU platform.
+    roofline: dict[str, Any] | None = None
 
     def describe(self) -> dict[str, Any]:
         """The part of a history record that says what was measured."""
@@ -50,6 +52,7 @@ class Target:
             "platform": self.platform,
             "pins": dict(self.pins),
             "from_profile": self.from_profile,
+            "roofline": self.roofline,
         }
 
 

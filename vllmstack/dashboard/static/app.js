@@ -314,20 +314,32 @@ function rowsOf(record) {
     pp: r.pp, tg: r.tg, depth: r.depth, concurrency: r.concurrency,
     ttft: stat(r.ttft_ms), pp_tps: stat(r.pp_tps), tg_tps: stat(r.tg_tps),
     total_tps: stat(r.total_tg_tps ?? r.throughput_tps ?? r.agg_tg_tps), itl: stat(r.itl_ms, "p50"),
+    roofline: r.roofline,
   }));
 }
 
 const COLUMNS = [
   ["time", "time"], ["model", "model"], ["pp", "pp"], ["tg", "tg"], ["depth", "depth"],
   ["concurrency", "concurrency"], ["ttft", "TTFT ms"], ["pp_tps", "pp t/s"], ["tg_tps", "tg t/s"],
-  ["total_tps", "total tg t/s"], ["itl", "ITL p50 ms"], ["actions", ""],
+  ["total_tps", "total tg t/s"], ["itl", "ITL p50 ms"], ["roofline", "% roofline"], ["actions", ""],
 ];
 // Columns that only mean something for one kind (a bench runs at depth 0, concurrency 1).
-const ONLY = { depth: "depth", concurrency: "conc", total_tps: "conc" };
+const ONLY = { depth: "depth", concurrency: "conc", total_tps: "conc", roofline: "bench" };
+
+// The row's share of what the card allows at best (bench/roofline.py): "tg 41% / pp 28%".
+function rooflineCell(roof) {
+  if (!roof || typeof roof !== "object") return "–";
+  if (!roof.card) return roof.note || "unknown card";
+  const parts = [];
+  if (isNum(roof.decode_pct)) parts.push(`tg ${roof.decode_pct.toFixed(0)}%`);
+  if (isNum(roof.prefill_pct)) parts.push(`pp ${roof.prefill_pct.toFixed(0)}%`);
+  return parts.join(" / ") || "–";
+}
 const columnsFor = (kind) => COLUMNS.filter(([key]) => !ONLY[key] || ONLY[key] === kind);
 
 function cell(key, row) {
   const v = row[key];
+  if (key === "roofline") return rooflineCell(v);
   if (["ttft", "itl"].includes(key)) return isNum(v) ? v.toFixed(1) : "–";
   if (["pp_tps", "tg_tps", "total_tps"].includes(key)) return rate(v);
   return isNum(v) ? String(v) : "–";
