@@ -311,6 +311,19 @@ def test_host_paths_and_gpu_selection_stay_on_the_host(project: Project) -> None
     assert "Environment=TRITON_CACHE_DIR=/home/op/triton" in unit  # the same host: as compose
 
 
+def test_a_gguf_under_models_dir_is_read_from_a_volume_mounted_at_the_same_path(project: Project) -> None:
+    p = plan(project, service.KUBE, ["qwen3-0.6b-gguf"], "r9700", "MODELS_DIR=~/models")
+    documents = list(yaml.safe_load_all(p.files["qwen3-0.6b-gguf.yaml"]))
+    pod = next(d for d in documents if d["kind"] == "Deployment")["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    models = str(Path("~/models").expanduser())  # as the argv builder expands it
+    assert f"{models}/Qwen3-0.6B-Q8_0.gguf" in container["args"]
+    assert {"name": "models", "mountPath": models, "readOnly": True} in container["volumeMounts"]
+    assert {"name": "models", "persistentVolumeClaim": {"claimName": "vllmstack-models",
+                                                        "readOnly": True}} in pod["volumes"]
+    assert "export-models-dir" in {f.code for f in p.findings}
+
+
 def test_a_bad_value_stops_the_export_and_writes_nothing(project: Project, tmp_path: Path) -> None:
     p = plan(project, service.QUADLET, [SEED[1]], SEED[0], "EXPORT_SHM_SIZE=lots")
     with pytest.raises(ExportError) as caught:

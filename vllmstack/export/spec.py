@@ -107,7 +107,9 @@ class EngineSpec:
 
     @property
     def models_dir(self) -> str:
-        return self.resolved.get_str("MODELS_DIR").strip()
+        """MODELS_DIR as the argv names files under it (expanded: `~/models` -> /home/u/models)."""
+        raw = self.resolved.get_str("MODELS_DIR").strip()
+        return str(Path(raw).expanduser()) if raw else ""
 
     def setting(self, key: str) -> str:
         return self.resolved.get_str(key)
