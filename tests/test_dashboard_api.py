@@ -457,9 +457,15 @@ def test_token_required_when_exposed(tmp_path: Path, engine: Engine, fake_runs: 
                      fetch_text=engine.fetch, build_command=fake_runs.build, poll=False)
     stored = add_records(tmp_path / "hist", "bench", 1)
     with TestClient(app, base_url="http://192.168.1.20:8083") as c:
-        assert c.get("/api/info").json()["auth_required"] is True
-        assert c.get("/api/metrics").status_code == 200  # reading needs no token
-        assert c.get("/api/history/bench").status_code == 200
+        info = c.get("/api/info").json()
+        assert info["auth_required"] is True and info["authorized"] is False
+        assert "engine_url" not in info and "engine_url" not in c.get("/api/health").json()
+        # Reading needs the token too (a DNS-rebinding page must not read history or run logs).
+        for url in ("/api/metrics", "/api/history/bench", "/api/runs", "/api/runs/bench",
+                    "/api/router", f"/api/history/bench/{stored[0]['id']}"):
+            assert c.get(url).status_code == 401, url
+            assert c.get(url, headers={"X-Dashboard-Token": "s3cret"}).status_code == 200, url
+        assert c.get("/api/info", headers={"Authorization": "Bearer s3cret"}).json()["authorized"]
         for method, url in (("POST", "/api/runs/bench"), ("POST", "/api/runs/bench/cancel"),
                             ("POST", "/api/history/bench/clear"),
                             ("DELETE", f"/api/history/bench/{stored[0]['id']}")):

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from vllmstack.core.errors import StackError
+from vllmstack.core.files import parse_json
 
 SCHEMA_VERSION: int = 1
 KINDS = ("bench", "depth", "conc", "probe", "stability")
@@ -106,29 +107,48 @@ def append_record(
     return stored
 
 
+# Rotation keeps a file near DEFAULT_MAX_BYTES; one far larger was not grown by the stack, and
+# only its newest part is read (reading never costs more memory than this).
+READ_MAX_BYTES = 64 * 1024 * 1024
+
+
 @dataclass
 class ReadResult:
     records: list[dict[str, Any]] = field(default_factory=list)
     skipped: int = 0
     skipped_lines: list[int] = field(default_factory=list)
+    # Each record's line exactly as stored: a rewrite keeps the records it does not touch
+    # byte for byte (one holding NaN, which no writer of today can encode, included).
+    lines: list[bytes] = field(default_factory=list)
 
 
 def read_file(path: Path) -> ReadResult:
-    """Every record in `path`, oldest first, plus the count and line numbers of unusable lines."""
+    """Every record in `path`, oldest first, plus the count and line numbers of unusable lines.
+
+    Never raises for what the file holds: a line that is not a JSON object (torn, garbage, not
+    UTF-8, nested too deeply to read) is skipped and counted. NaN and infinities are read (old
+    records may hold them; the dashboard shows them as missing). An unreadable file is empty."""
     result = ReadResult()
     try:
-        data = path.read_bytes()
-    except FileNotFoundError:
+        with path.open("rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            if size > READ_MAX_BYTES:
+                handle.seek(size - READ_MAX_BYTES)
+                handle.readline()  # the first, cut line is not a record
+                result.skipped += 1
+            data = handle.read(READ_MAX_BYTES)
+    except OSError:
         return result
     for number, raw in enumerate(data.splitlines(), start=1):
         if not raw.strip():
             continue
         try:
-            value = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError):
+            value = parse_json(raw, allow_nan=True)
+        except ValueError:
             value = None
         if isinstance(value, dict):
             result.records.append(value)
+            result.lines.append(raw)
         else:
             result.skipped += 1
             result.skipped_lines.append(number)
@@ -160,6 +180,12 @@ def rewrite_locked(path: Path, records: list[dict[str, Any]]) -> None:
         raise
 
 
+def record_matches(record: dict[str, Any], record_id: str) -> bool:
+    """Whether `record` has the id a URL or command line names (text: an id stored as a number
+    is found by its digits, as the listing shows it)."""
+    return "id" in record and str(record["id"]) == record_id
+
+
 def delete_record(path: Path, record_id: str) -> bool:
     """Remove the record with this id (from the current or rotated file); True when found."""
     with locked(path):
@@ -167,12 +193,30 @@ def delete_record(path: Path, record_id: str) -> bool:
             if not candidate.exists():
                 continue
             content = read_file(candidate)
-            kept = [r for r in content.records if r.get("id") != record_id]
+            kept = [line for record, line in zip(content.records, content.lines, strict=True)
+                    if not record_matches(record, record_id)]
             if len(kept) != len(content.records):
                 # Garbage lines are dropped by the rewrite too: they could never be read anyway.
-                rewrite_locked(candidate, kept)
+                # The others are kept as stored, not re-encoded.
+                rewrite_lines_locked(candidate, kept)
                 return True
     return False
+
+
+def rewrite_lines_locked(path: Path, lines: list[bytes]) -> None:
+    """Replace the file's content with these stored lines, atomically; the caller holds the lock."""
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            for line in lines:
+                handle.write(line + b"\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
 
 
 def clear(path: Path) -> int:

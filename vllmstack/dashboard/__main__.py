@@ -37,6 +37,9 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Dashboard
     parser.add_argument("--port", type=int, default=8083, help="port (default 8083)")
     parser.add_argument("--engine-url", required=True,
                         help="the engine's base URL, e.g. http://127.0.0.1:8180")
+    parser.add_argument("--state-dir", type=Path, default=None,
+                        help="folder for the record of the running benchmark, so a dashboard "
+                             "started after a killed one finds it (default: --history-dir)")
     parser.add_argument("--history-dir", type=Path, required=True,
                         help="folder with the benchmark history files (normally benchmarks/)")
     parser.add_argument("--exposure", default=environ.get("DASHBOARD_BIND") or None,
@@ -61,6 +64,7 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Dashboard
     return DashboardSettings(
         engine_url=args.engine_url,
         history_dir=args.history_dir,
+        state_dir=args.state_dir,
         host=args.host,
         port=args.port,
         exposure=args.exposure,

@@ -15,9 +15,11 @@ Endpoints (all JSON; `/api/*` answers carry `Cache-Control: no-store`):
     DELETE /api/history/{kind}/{id}          delete one record
     POST   /api/history/{kind}/clear         delete all records of a kind
 
-State-changing endpoints need the token when the dashboard is reachable from
-other machines; on loopback they refuse requests whose Host or Origin is not
-loopback, so a web page or a DNS-rebinding name cannot drive them.
+Every request passes `gate.Gate` first, which decides from the headers alone, before any body is
+read: the token wherever one is required (reachable from other machines, or a token set), for
+reading `/api/` as much as for changes (only /api/health and /api/info stay open); on loopback
+without a token, a loopback Host (and Origin, for changes), so a web page or a DNS-rebinding
+name can neither drive nor read it; bodies of at most 64 KiB and JSON at most 16 levels deep.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
-from fastapi import Depends, FastAPI, HTTPException, Request, Response
+from fastapi import FastAPI, HTTPException, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
@@ -44,9 +46,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from vllmstack.bench import history
 from vllmstack.core import access
 from vllmstack.core.errors import StackError
+from vllmstack.dashboard.gate import Gate, authorized, header_map
 from vllmstack.dashboard.live import LiveMetrics
 from vllmstack.dashboard.runs import (
     RUN_KINDS,
+    RUN_RECORD_FILE,
     CommandBuilder,
     RunBusyError,
     RunError,
@@ -90,6 +94,13 @@ class DashboardSettings:
     # `invoke router`'s URL: the page shows its resident model, queue and recent swaps.
     router_url: str = "http://127.0.0.1:8080"
     router_token: str = ""
+    # Where the running benchmark is recorded, so a dashboard started after this one was killed
+    # finds it (dashboard.runs); default: the history folder.
+    state_dir: Path | None = None
+
+    @property
+    def run_record_path(self) -> Path:
+        return (self.state_dir or self.history_dir) / RUN_RECORD_FILE
 
     @property
     def exposed_on(self) -> str:
@@ -270,7 +281,7 @@ def create_app(
     if child_env is not None:
         child_env.setdefault("PYTHONUNBUFFERED", "1")
     runs = RunManager(builder, timeouts=settings.run_timeouts, grace_s=settings.cancel_grace,
-                      env=child_env)
+                      env=child_env, record_path=settings.run_record_path)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -308,33 +319,27 @@ def create_app(
             response.headers["Cache-Control"] = "no-store"
         return response
 
-    def require_write_access(request: Request) -> None:
-        """Token when required; otherwise only loopback Host/Origin may change state."""
-        denial = access.write_denial(request.headers, token=settings.token,
-                                     required=settings.auth_required, token_header="x-dashboard-token")
-        if denial == access.NEEDS_TOKEN:
-            raise HTTPException(401, "this dashboard is reachable from other machines: "
-                                     "send DASHBOARD_TOKEN as 'Authorization: Bearer TOKEN' "
-                                     "or 'X-Dashboard-Token'")
-        if denial == access.NOT_LOCAL:
-            raise HTTPException(403, "state-changing requests must come from this machine "
-                                     "(http://127.0.0.1 or http://localhost); set DASHBOARD_TOKEN "
-                                     "to allow others")
-
-    write = Depends(require_write_access)
+    def signed_in(request: Request) -> bool:
+        """The request may see everything (the gate let the other routes through already)."""
+        return authorized(header_map(request.scope), token=settings.token,
+                          required=settings.auth_required)
 
     def check_kind(kind: str, kinds: tuple[str, ...]) -> None:
         if kind not in kinds:
             raise HTTPException(404, f"unknown kind {kind!r}; known: {', '.join(kinds)}")
 
     @app.get("/api/health")
-    async def health() -> dict[str, Any]:
+    async def health(request: Request) -> dict[str, Any]:
         latest = live.latest or {}
-        return {"ok": True, "engine_up": bool(latest.get("engine_up")),
-                "engine_url": settings.engine_url}
+        answer = {"ok": True, "engine_up": bool(latest.get("engine_up"))}
+        return {**answer, "engine_url": settings.engine_url} if signed_in(request) else answer
 
     @app.get("/api/info")
-    async def info() -> dict[str, Any]:
+    async def info(request: Request) -> dict[str, Any]:
+        if not signed_in(request):
+            # Enough for the page to ask for the token; nothing about the engine or the runs.
+            return {"auth_required": True, "authorized": False, "exposed_on": settings.exposed_on,
+                    "run_kinds": list(RUN_KINDS), "history_kinds": list(HISTORY_KINDS)}
         card = await asyncio.to_thread(engine_models)
         return {
             "engine_url": settings.engine_url,
@@ -342,6 +347,7 @@ def create_app(
             "max_model_len": card.get("max_model_len"),
             "max_num_seqs": settings.max_num_seqs,
             "auth_required": settings.auth_required,
+            "authorized": True,
             "exposed_on": settings.exposed_on,
             "run_kinds": list(RUN_KINDS),
             "history_kinds": list(HISTORY_KINDS),
@@ -384,7 +390,7 @@ def create_app(
         check_kind(kind, RUN_KINDS)
         return runs.state(kind)
 
-    @app.post("/api/runs/{kind}", status_code=202, dependencies=[write])
+    @app.post("/api/runs/{kind}", status_code=202)
     async def start_run(kind: str, options: RunOptions | None = None) -> Any:
         check_kind(kind, RUN_KINDS)
         # Fail fast before any thread hop: the claim itself is atomic in RunManager.
@@ -399,7 +405,7 @@ def create_app(
             raise HTTPException(503, str(exc)) from exc
         return JSONResponse(state, status_code=202)
 
-    @app.post("/api/runs/{kind}/cancel", dependencies=[write])
+    @app.post("/api/runs/{kind}/cancel")
     async def cancel_run(kind: str) -> dict[str, Any]:
         check_kind(kind, RUN_KINDS)
         try:
@@ -423,7 +429,7 @@ def create_app(
 
     def find_record(path: Path, record_id: str) -> dict[str, Any]:
         for record in history.read_records(path, include_rotated=True):
-            if str(record.get("id")) == record_id:
+            if history.record_matches(record, record_id):
                 return record
         raise HTTPException(404, f"no record {record_id!r} in {path.name}")
 
@@ -437,17 +443,19 @@ def create_app(
             headers={"Content-Disposition": f'attachment; filename="{kind}-{safe}.json"'},
         )
 
-    @app.delete("/api/history/{kind}/{record_id}", dependencies=[write])
+    @app.delete("/api/history/{kind}/{record_id}")
     async def history_delete(kind: str, record_id: str) -> dict[str, Any]:
         path = history_file(kind)
         if not await asyncio.to_thread(history.delete_record, path, record_id):
             raise HTTPException(404, f"no record {record_id!r} in {path.name}")
         return {"deleted": record_id}
 
-    @app.post("/api/history/{kind}/clear", dependencies=[write])
+    @app.post("/api/history/{kind}/clear")
     async def history_clear(kind: str) -> dict[str, Any]:
         return {"removed": await asyncio.to_thread(history.clear, history_file(kind))}
 
     # Last, so the API routes win: the page and its assets.
     app.mount("/", StaticFiles(directory=STATIC_DIR, html=True), name="static")
+    # Added last, so it is the outermost layer: it answers before anything reads the body.
+    app.add_middleware(Gate, token=settings.token, required=settings.auth_required)
     return app

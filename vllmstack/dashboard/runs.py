@@ -9,12 +9,19 @@ injectable builder, so tests start a tiny fake command instead.
 One lock covers every kind: the check "is anything running?" and the claim
 "now this runs" happen under the same `threading.Lock`, so of two starts sent
 together exactly one wins and the other answers "busy" at once.
+
+The running benchmark is also recorded in a file (`record_path`: pid, start time, and a marker
+its environment carries, VLLMSTACK_RUN_ID). A run lives in its own session, so a dashboard that
+is SIGKILLed leaves it running; the next dashboard finds it there (the process must match the
+pid, the start time AND carry the marker), shows it as running, refuses a second run beside it,
+and can cancel it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import subprocess
 import threading
@@ -26,8 +33,13 @@ from pathlib import Path
 from typing import Any
 
 from vllmstack.core.errors import StackError
+from vllmstack.core.files import JsonFileError, read_json_file, write_json
+from vllmstack.runtime.native.procs import ProcTable
 
 RUN_KINDS = ("bench", "depth", "conc")
+RUN_RECORD_FILE = ".dashboard-run.json"
+RUN_MARKER_VAR = "VLLMSTACK_RUN_ID"
+ADOPTED_POLL_S = 0.5
 
 # Wall-clock limits per kind: a depth or concurrency ladder on a big model takes long.
 DEFAULT_TIMEOUTS = {"bench": 1800.0, "depth": 7200.0, "conc": 7200.0}
@@ -120,6 +132,8 @@ class RunManager:
         cwd: Path | None = None,
         log_limit: int = 16_000,
         on_end: Callable[[RunState], None] | None = None,
+        record_path: Path | None = None,
+        table: ProcTable | None = None,
     ) -> None:
         self._build = build_command
         self._timeouts = dict(DEFAULT_TIMEOUTS, **(timeouts or {}))
@@ -132,6 +146,11 @@ class RunManager:
         self._live: _Live | None = None
         self._pending_cancel = False
         self._states = {kind: RunState(kind, log_limit=log_limit) for kind in RUN_KINDS}
+        self._record_path = record_path
+        self._table = table or ProcTable()
+        # A run an earlier dashboard started and left behind: (pid, start ticks, marker).
+        self._adopted: tuple[int, int, str] | None = None
+        self._adopt()
 
     @property
     def active(self) -> str | None:
@@ -170,6 +189,7 @@ class RunManager:
                 if self._pending_cancel:
                     raise RunError("cancelled before it started")
                 state.argv = argv
+                marker = secrets.token_hex(16)
                 proc = subprocess.Popen(
                     argv,
                     stdin=subprocess.DEVNULL,
@@ -178,11 +198,13 @@ class RunManager:
                     text=True,
                     errors="replace",
                     bufsize=1,
-                    env=self._env,
+                    env={**(self._env if self._env is not None else os.environ),
+                         RUN_MARKER_VAR: marker},
                     cwd=self._cwd,
                     # Its own session and process group: cancel signals the whole tree.
                     start_new_session=True,
                 )
+                self._record(kind, proc.pid, marker, argv)
                 live = _Live(proc, threading.Event())
                 self._live = live
                 state.pid = proc.pid
@@ -221,6 +243,7 @@ class RunManager:
         # Anything the run left behind in its group (a grandchild holding our pipe) goes too.
         _signal_group(proc.pid, signal.SIGKILL)
         reader.join(timeout=5)
+        self._forget_record()
         with self._lock:
             state.returncode = proc.returncode
             state.ended_at = time.time()
@@ -262,16 +285,94 @@ class RunManager:
         with self._lock:
             if self._active != kind:
                 raise RunNotActiveError(kind)
-            live = self._live
-            if live is None:
-                # Still building its command: stop it before it starts.
-                self._pending_cancel = True
-                return self._states[kind].as_dict()
-            live.cancel_requested = True
-            self._states[kind].append("[cancel requested: SIGTERM to the run's process group]\n")
+            adopted, live = self._adopted, self._live
+            if adopted is None:
+                if live is None:
+                    # Still building its command: stop it before it starts.
+                    self._pending_cancel = True
+                    return self._states[kind].as_dict()
+                live.cancel_requested = True
+                self._states[kind].append("[cancel requested: SIGTERM to the run's process group]\n")
+        if adopted is not None:
+            self._stop_adopted(kind, adopted)
+            return self.state(kind)
+        assert live is not None
         self._stop_group(live.proc)
         live.done.wait(timeout=wait if wait is not None else self._grace + 10)
         return self.state(kind)
+
+    # -- the record of the running benchmark, and a run left by an earlier dashboard -------------
+
+    def _record(self, kind: str, pid: int, marker: str, argv: list[str]) -> None:
+        proc = self._table.get(pid)
+        if self._record_path is None or proc is None:
+            return
+        with contextlib.suppress(OSError):  # unrecorded, it still runs and is watched here
+            write_json(self._record_path, {"pid": pid, "start_ticks": proc.start_ticks,
+                                           "marker": marker, "kind": kind, "argv": argv,
+                                           "started": time.time()}, mode=0o600)
+
+    def _forget_record(self) -> None:
+        if self._record_path is not None:
+            with contextlib.suppress(OSError):
+                self._record_path.unlink(missing_ok=True)
+
+    def _same(self, pid: int, start: int, marker: str) -> bool:
+        """The recorded run is still that very process: pid, start time and its own marker."""
+        proc = self._table.get(pid)
+        return (proc is not None and not proc.zombie and proc.start_ticks == start
+                and self._table.has_env(pid, f"{RUN_MARKER_VAR}={marker}".encode()))
+
+    def _adopt(self) -> None:
+        """Find a run an earlier dashboard left running (killed, it could not end it)."""
+        if self._record_path is None:
+            return
+        try:
+            data = read_json_file(self._record_path, "the dashboard's run record")
+        except JsonFileError:
+            data = None  # damaged: it names nothing that can be proven
+        found = _recorded_run(data)
+        if found is None or not self._same(*found[:3]):
+            self._forget_record()
+            return
+        pid, start, marker, kind, argv, started = found
+        state = RunState(kind, status="running", argv=argv, started_at=started, pid=pid,
+                         log_limit=self._states[kind].log_limit,
+                         message=f"started by an earlier dashboard that has ended (run pid {pid}); "
+                                 "its output is not shown here; cancel stops it")
+        state.append(f"[a {kind} run left by an earlier dashboard is still running (pid {pid})]\n")
+        self._states[kind] = state
+        self._active, self._adopted = kind, (pid, start, marker)
+        threading.Thread(target=self._watch_adopted, args=(kind, (pid, start, marker)),
+                         daemon=True, name=f"adopted-{kind}").start()
+
+    def _watch_adopted(self, kind: str, adopted: tuple[int, int, str]) -> None:
+        while self._same(*adopted):
+            time.sleep(ADOPTED_POLL_S)
+        self._end_adopted(kind, adopted, "ended")
+
+    def _end_adopted(self, kind: str, adopted: tuple[int, int, str], status: str) -> None:
+        with self._lock:
+            if self._adopted != adopted:
+                return
+            state = self._states[kind]
+            state.status, state.ended_at = status, time.time()
+            state.append(f"[{status}]\n")
+            self._active, self._adopted = None, None
+        self._forget_record()
+
+    def _stop_adopted(self, kind: str, adopted: tuple[int, int, str]) -> None:
+        pid = adopted[0]
+        with self._lock:
+            self._states[kind].append("[cancel requested: SIGTERM to the run's process group]\n")
+        for sig, wait in ((signal.SIGTERM, self._grace), (signal.SIGKILL, 5.0)):
+            if not self._same(*adopted):
+                break
+            _signal_group(pid, sig)  # it leads its own group (start_new_session)
+            deadline = time.monotonic() + wait
+            while self._same(*adopted) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        self._end_adopted(kind, adopted, "cancelled")
 
     def shutdown(self) -> None:
         """Cancel whatever runs (the dashboard is stopping: leave no orphaned load behind)."""
@@ -279,6 +380,21 @@ class RunManager:
         if active is not None:
             with contextlib.suppress(RunError):
                 self.cancel(active)
+
+
+def _recorded_run(data: Any) -> tuple[int, int, str, str, list[str], float] | None:
+    """(pid, start ticks, marker, kind, argv, started) from a run record, or None."""
+    if not isinstance(data, dict):
+        return None
+    pid, start, marker, kind = (data.get(k) for k in ("pid", "start_ticks", "marker", "kind"))
+    argv, started = data.get("argv"), data.get("started")
+    if not (isinstance(pid, int) and isinstance(start, int) and not isinstance(pid, bool)
+            and not isinstance(start, bool) and 1 < pid < 2**31 and isinstance(marker, str)
+            and marker and kind in RUN_KINDS):
+        return None
+    return (pid, start, marker, str(kind),
+            [str(a) for a in argv] if isinstance(argv, list) else [],
+            float(started) if isinstance(started, (int, float)) else time.time())
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:

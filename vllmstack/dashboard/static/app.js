@@ -68,7 +68,8 @@ class ApiError extends Error {
 async function api(path, { method = "GET", body, write = false, headers = {} } = {}) {
   const h = { ...headers };
   if (body !== undefined) h["Content-Type"] = "application/json";
-  if (write && state.token) h["X-Dashboard-Token"] = state.token;
+  // Reading needs the token too where one is required (the server decides from the headers).
+  if (state.token) h["X-Dashboard-Token"] = state.token;
   const res = await fetch(path, { method, headers: h, body: body === undefined ? undefined : JSON.stringify(body) });
   if (!res.ok && res.status !== 304) {
     let detail = res.statusText;
@@ -277,8 +278,8 @@ function setupAuth(info) {
   if (!info.auth_required) return;
   $("auth-banner").hidden = false;
   $("auth-text").textContent =
-    `This dashboard is reachable at ${info.exposed_on}, so starting runs and changing history need ` +
-    "the dashboard token (DASHBOARD_TOKEN in .env on the serving machine). Reading needs none. " +
+    `This dashboard is reachable at ${info.exposed_on}, so reading it, starting runs and changing ` +
+    "history need the dashboard token (DASHBOARD_TOKEN in .env on the serving machine). " +
     "The token is kept in this browser only.";
   $("token-input").value = state.token;
   const show = () => { $("token-state").textContent = state.token ? "token set" : "no token set"; };
@@ -287,6 +288,8 @@ function setupAuth(info) {
     state.token = $("token-input").value.trim();
     localStorage.setItem(TOKEN_KEY, state.token);
     show();
+    loadInfo();  // what the engine and the runs are, now that the token lets it be read
+    refreshAllHistory();
   });
   show();
 }
@@ -376,7 +379,20 @@ function renderRecords(kind, records) {
 
 function actionsCell(kind, record) {
   const id = encodeURIComponent(record.id || "");
-  const download = el("a", { href: `api/history/${kind}/${id}`, download: "" }, el("button", { type: "button" }, "download"));
+  // Fetched, not a plain link: a link cannot send the token the server may require.
+  const download = el("button", { type: "button" }, "download");
+  download.addEventListener("click", async () => {
+    try {
+      const res = await api(`api/history/${kind}/${id}`);
+      const url = URL.createObjectURL(await res.blob());
+      const name = (/filename="([^"]+)"/.exec(res.headers.get("Content-Disposition") || "") || [])[1];
+      const a = el("a", { href: url, download: name || `${kind}-record.json` });
+      document.body.append(a);
+      a.click();
+      a.remove();
+      setTimeout(() => URL.revokeObjectURL(url), 10_000);
+    } catch (err) { showNotice(kind, explain(err)); }
+  });
   const del = el("button", {
     type: "button", class: "danger",
     onclick: async () => {
@@ -563,20 +579,26 @@ function setupKinds() {
 
 // --- start -----------------------------------------------------------------------------------
 
+async function loadInfo() {
+  try {
+    const info = await (await api("api/info")).json();
+    state.info = info;
+    state.baseDelay = Math.max(250, (info.poll_interval || 1) * 1000);
+    state.pollDelay = state.baseDelay;
+    if (info.engine_url) setText("engine-url", info.engine_url);
+    // The concurrency ladder needs the engine's max_num_seqs; the profile's is the default.
+    const seqs = state.kinds.conc.node.querySelector('input[name="max_num_seqs"]');
+    seqs.placeholder = info.max_num_seqs ? String(info.max_num_seqs) : "required";
+    return info;
+  } catch (_) { return null; /* shown by the first poll */ }
+}
+
 async function main() {
   setupLiveCharts();
   setupKinds();
   setupTabs();
-  try {
-    state.info = await (await api("api/info")).json();
-    state.baseDelay = Math.max(250, (state.info.poll_interval || 1) * 1000);
-    state.pollDelay = state.baseDelay;
-    setText("engine-url", state.info.engine_url);
-    setupAuth(state.info);
-    // The concurrency ladder needs the engine's max_num_seqs; the profile's is the default.
-    const seqs = state.kinds.conc.node.querySelector('input[name="max_num_seqs"]');
-    seqs.placeholder = state.info.max_num_seqs ? String(state.info.max_num_seqs) : "required";
-  } catch (_) { /* shown by the first poll */ }
+  const info = await loadInfo();
+  if (info) setupAuth(info);
   await loadRing();
   pollMetrics();
   pollRuns();

@@ -102,7 +102,8 @@ class NativeDashboard:
                 "--host", resolved.get_str("DASHBOARD_BIND"),
                 "--port", resolved.get_str("DASHBOARD_PORT"),
                 "--engine-url", engine_url,
-                "--history-dir", str(self.project.benchmarks)]
+                "--history-dir", str(self.project.benchmarks),
+                "--state-dir", str(self.folder)]
         tokenizer = resolved.get_raw("VLLM_TOKENIZER") or resolved.get_raw("VLLM_MODEL")
         if tokenizer:
             argv += ["--tokenizer", tokenizer]
