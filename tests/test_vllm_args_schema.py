@@ -33,6 +33,8 @@ HAND_VALUE_FLAGS = (
     ("ATTENTION_BACKEND", "--attention-backend"),
 )
 HAND_JSON_FLAGS = (
+    # Added after the hand-written tables (issue 24): the server's default chat-template kwargs.
+    ("VLLM_CHAT_TEMPLATE_KWARGS", "--default-chat-template-kwargs"),
     ("VLLM_LIMIT_MM_PER_PROMPT", "--limit-mm-per-prompt"),
     ("VLLM_GENERATION_CONFIG", "--override-generation-config"),
 )

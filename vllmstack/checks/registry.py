@@ -47,6 +47,7 @@ from vllmstack.checks.profile import (
 )
 from vllmstack.checks.rocm import rule_rocm
 from vllmstack.checks.scheduler import rule_scheduler, rule_spec_decode
+from vllmstack.checks.template import rule_chat_template
 from vllmstack.checks.tuned_configs import rule_tuned_configs
 from vllmstack.config.engine import LLAMACPP, VLLM, display_name, engine_of
 from vllmstack.config.profiles import Resolved
@@ -70,6 +71,7 @@ RULES: tuple[Rule, ...] = (
     rule_engine_env,
     rule_profile_host_keys,
     rule_files_exist,
+    rule_chat_template,
     rule_gguf_files,
     rule_gguf_arch,
     rule_llamacpp_context,
@@ -93,6 +95,7 @@ RULE_ENGINES: Mapping[Rule, tuple[str, ...]] = MappingProxyType({
     rule_required: _VLLM,  # VLLM_MODEL; rule_llamacpp_required asks for LLAMACPP_MODEL instead
     rule_argv: _VLLM,
     rule_files_exist: _VLLM,
+    rule_chat_template: _VLLM,
     rule_spec_decode: _VLLM,
     rule_scheduler: _VLLM,
     rule_parallelism: _VLLM,
