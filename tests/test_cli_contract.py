@@ -101,7 +101,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # and 14 added bench-vs, burn, gguf-convert, gpu-check and router.
 TASKS = ["bench", "bench-conc", "bench-depth", "bench-vs", "build", "burn", "check", "clear-caches",
          "config", "dashboard", "dashboard-down", "dashboard-up", "doctor", "down", "engines", "exec",
-         "gguf-convert", "gpu-check", "import-env", "install-engine", "logs", "make-model", "probe",
+         "export", "gguf-convert", "gpu-check", "import-env", "install-engine", "logs", "make-model", "probe",
          "profiles", "rebuild", "report", "router", "stability", "status", "template-check", "test", "up",
          "verify-patches"]
 
