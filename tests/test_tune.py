@@ -285,6 +285,18 @@ def test_a_harness_whose_stock_is_wrong_times_nothing(monkeypatch: pytest.Monkey
     assert "harness is wrong" in row["error"] and "rerun" not in row
 
 
+def test_each_tile_is_compiled_once_per_specialisation_it_meets() -> None:
+    # Triton builds an int argument separately when it is 1 and when it is a multiple of 16.
+    assert [kb.spec_class("fp8-dense", m, 1) for m in (1, 2, 8, 16, 48, 100)] == [1, 2, 2, 16, 16, 2]
+    assert [kb.spec_class("moe", m, 8) for m in (1, 2, 3)] == [2, 16, 2]  # routed rows M*topk
+    tile = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1,
+            "num_warps": 4, "num_stages": 3}
+    entry = {"shape": {"N": 5120, "K": 17408}, "space": {"1": [tile], "4": [tile], "8": [tile],
+                                                          "64": [tile]}}
+    jobs = kb.compile_jobs("fp8-dense", [entry, entry], [1, 4, 8, 64])
+    assert sorted(rep for _, rep in jobs) == [1, 2, 16]  # two shapes, four sizes: three builds
+
+
 # --- the command and the files ------------------------------------------------------------
 
 

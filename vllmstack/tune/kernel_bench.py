@@ -37,7 +37,7 @@ from vllmstack.tune import verdict as vd
 
 GRAPH_LAUNCHES = 10  # launches captured in one CUDA graph (as vLLM's benchmark_moe.py does)
 RERUN_ROUNDS = 3
-PRECOMPILE_SHARE = 0.4  # at most this much of a shape's time goes to compiling tiles
+PRECOMPILE_SHARE = 0.45  # at most this much of the budget goes to compiling tiles
 
 
 def _mod(name: str) -> Any:
@@ -267,39 +267,61 @@ def time_us(torch: Any, fn: Any) -> float:
 # Compiling tiles in worker processes
 
 
-def _warm_worker(kind: str, shape: dict[str, Any], configs: list[dict[str, int]], sizes: list[int],
-                 seed: int, deadline: float) -> list[list[Any]]:
-    """Launch every tile once at each size (each Triton specialisation gets built and cached on
-    disk); return the tiles that fail to build or launch, with the error."""
+def spec_class(kind: str, m: int, topk: int) -> int:
+    """The batch size that stands for m's Triton specialisation: Triton compiles an integer
+    argument separately when it is 1 and when it is a multiple of 16, so one launch at 1, 2 and
+    16 (MoE: routed rows M*topk) builds what every batch size will run."""
+    rows = m * topk if kind == "moe" else m
+    if rows == 1:
+        return 1
+    return 16 if rows % 16 == 0 else 2
+
+
+def compile_jobs(kind: str, entries: list[dict[str, Any]], sizes: list[int]) -> list[list[Any]]:
+    """[tile, representative size] for every tile some batch size of some shape may time, once per
+    specialisation it will meet (the shapes' N and K are multiples of 16: they share kernels)."""
+    jobs: dict[tuple[Any, ...], list[Any]] = {}
+    for entry in entries:
+        topk = int(entry["shape"].get("topk") or 1)
+        for m in sizes:
+            rep = spec_class(kind, m, topk)
+            for config in entry["space"][str(m)]:
+                jobs.setdefault((*(config[k] for k in sp.KEYS), rep), [config, rep])
+    return list(jobs.values())
+
+
+def _warm_worker(kind: str, shape: dict[str, Any], jobs: list[list[Any]], seed: int,
+                 deadline: float) -> list[list[Any]]:
+    """Launch each tile once at its representative size (Triton builds it and caches it on disk);
+    return the tiles that fail to build or launch, with the error."""
     failed: list[list[Any]] = []
     problem = make_problem(kind, shape, seed, reference=False)
-    cases = [problem.case(m) for m in sizes]
-    for config in configs:
+    cases: dict[int, dict[str, Any]] = {}
+    for config, rep in jobs:
         if time.time() > deadline:
             break
-        for case in cases:
-            try:
-                problem.runner(case, config)()
-            except Exception as exc:
-                failed.append([config, f"{type(exc).__name__}: {str(exc)[:200]}"])
-                break
+        case = cases.setdefault(rep, problem.case(rep))
+        try:
+            problem.runner(case, config)()
+        except Exception as exc:
+            failed.append([config, f"{type(exc).__name__}: {str(exc)[:200]}"])
     problem.torch.cuda.synchronize()
     return failed
 
 
-def precompile(kind: str, shape: dict[str, Any], configs: list[dict[str, int]], sizes: list[int],
-               seed: int, seconds: float, workers: int) -> tuple[int, list[list[Any]]]:
+def precompile(kind: str, shape: dict[str, Any], jobs: list[list[Any]], seed: int, seconds: float,
+               workers: int) -> tuple[int, list[list[Any]]]:
     """Build the tiles in parallel; (workers used, failures). Stops at the deadline."""
-    if workers <= 1 or len(configs) < 8:
+    if workers <= 1 or len(jobs) < 8:
         return 0, []
     deadline = time.time() + seconds
-    chunks = [configs[i::workers] for i in range(workers)]
+    chunks = [jobs[i::workers] for i in range(workers)]
     context = multiprocessing.get_context("spawn")
     failed: list[list[Any]] = []
     with futures.ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-        jobs = [pool.submit(_warm_worker, kind, shape, chunk, sizes, seed, deadline) for chunk in chunks]
+        running = [pool.submit(_warm_worker, kind, shape, chunk, seed, deadline) for chunk in chunks]
         try:
-            for job in futures.as_completed(jobs, timeout=seconds + 120):
+            for job in futures.as_completed(running, timeout=seconds + 120):
                 try:
                     failed += job.result()
                 except Exception as exc:  # a worker that died leaves its tiles to the main process
@@ -373,7 +395,7 @@ def tune_size(problem: MoeProblem | DenseProblem, m: int, space: list[dict[str, 
 
 
 def tune_shape(kind: str, entry: dict[str, Any], spec: dict[str, Any], budget: vd.Budget,
-               shapes_left: int, write: Any) -> dict[str, Any]:
+               shapes_left: int, write: Any, bad: set[tuple[int, ...]]) -> dict[str, Any]:
     shape = entry["shape"]
     out: dict[str, Any] = {"shape": shape, "batch_sizes": []}
     share_end = time.time() + budget.share(shapes_left)
@@ -383,29 +405,19 @@ def tune_shape(kind: str, entry: dict[str, Any], spec: dict[str, Any], budget: v
     out["stock_source"] = source
     out["shipped"] = {str(k): v for k, v in shipped.items()} if shipped else None
     sizes = [int(m) for m in spec["batch_sizes"]]
-    spaces = {m: entry["space"][str(m)] for m in sizes}
-    tiles = sp.union([spaces[m] for m in sizes])
-    warm_sizes = sorted({sizes[0], 64 if kind == "moe" else 16, sizes[-1] if kind != "moe" else 64})
-    workers = int(spec.get("workers") or 0)
-    t0 = time.time()
-    used, failures = precompile(kind, shape, tiles, [m for m in warm_sizes if m <= max(sizes)],
-                                spec["seed"], PRECOMPILE_SHARE * (share_end - t0), workers)
-    out["precompile"] = {"tiles": len(tiles), "workers": used, "seconds": round(time.time() - t0, 1),
-                         "failed": len(failures), "failed_examples": failures[:3]}
-    log(f"{problem.file_name()}: compiled {len(tiles)} tiles in {time.time() - t0:.0f}s "
-        f"({len(failures)} failed)")
-    bad = {tuple(c[k] for k in sp.KEYS) for c, _ in failures}
     for index, m in enumerate(sizes):
         deadline = time.time() + (share_end - time.time()) / (len(sizes) - index)
         try:
-            row = tune_size(problem, m, spaces[m], spec["seed"] + m, deadline, bad)
+            row = tune_size(problem, m, entry["space"][str(m)], spec["seed"] + m, deadline, bad)
         except Exception:
             row = {"m": m, "error": traceback.format_exc()[-2000:]}
         out["batch_sizes"].append(row)
-        log(f"M={m}: stock {row.get('first_stock_us', float('nan')):.1f}us -> best "
-            f"{row.get('first_best_us', float('nan')):.1f}us, tried {row.get('tried')}/"
-            f"{row.get('space')}, gate rejected {row.get('rejected')}")
+        log(f"{out['vllm_file_name']} M={m}: stock {row.get('first_stock_us', float('nan')):.1f}us "
+            f"-> best {row.get('first_best_us', float('nan')):.1f}us, tried {row.get('tried')}/"
+            f"{row.get('space')}, gate rejected {row.get('rejected')}, failed {row.get('failed')}")
         write(out)
+    del problem
+    _mod("torch").cuda.empty_cache()
     return out
 
 
@@ -440,9 +452,19 @@ def main(argv: list[str]) -> int:
         tmp.write_text(json.dumps(data, indent=1, default=str))
         os.replace(tmp, out_path)
 
+    sizes = [int(m) for m in spec["batch_sizes"]]
+    jobs = compile_jobs(spec["kind"], spec["shapes"], sizes)
+    started = time.time()
+    used, failures = precompile(spec["kind"], spec["shapes"][0]["shape"], jobs, spec["seed"],
+                                PRECOMPILE_SHARE * budget.left(), int(spec.get("workers") or 0))
+    result["precompile"] = {"jobs": len(jobs), "workers": used, "seconds": round(time.time() - started, 1),
+                            "failed": len(failures), "failed_examples": failures[:3]}
+    log(f"compiled {len(jobs)} tile/specialisation pairs with {used} workers in "
+        f"{time.time() - started:.0f}s ({len(failures)} failed)")
+    bad = {tuple(c[k] for k in sp.KEYS) for c, _ in failures}
     for index, entry in enumerate(spec["shapes"]):
         try:
-            done = tune_shape(spec["kind"], entry, spec, budget, len(spec["shapes"]) - index, write)
+            done = tune_shape(spec["kind"], entry, spec, budget, len(spec["shapes"]) - index, write, bad)
         except Exception:
             done = {"shape": entry["shape"], "error": traceback.format_exc()[-3000:]}
             log(done["error"])

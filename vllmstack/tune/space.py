@@ -5,8 +5,9 @@ reproduce: 576) and take hours. Here the axes are vLLM's, and three rules prune 
 cannot be right, so one shape fits one 10-minute GPU run (the budget in verdict.py cuts the rest,
 from a seeded shuffle, so a cut search is a fair sample rather than one corner):
 
-* rows: BLOCK_SIZE_M no larger than the rows one tile can see (M for a dense GEMM, the mean tokens
-  per expert for MoE), and no 16/32-row tiles when there are >= 512 rows (compute-bound there);
+* rows: BLOCK_SIZE_M no larger than the rows one tile can see (M for a dense GEMM; for MoE twice
+  the mean tokens per expert, as routing is uneven), and no 16/32-row tiles when there are >= 512
+  rows (compute-bound there);
 * GROUP_SIZE_M > 1 only where there is more than one tile along M, 8 warps only for tiles of at
   least 64x128, and num_stages only as deep as shared memory holds (227 KiB on Hopper);
 * scale groups (block FP8): a K tile must not straddle two quantization groups. vLLM's dense kernel
@@ -48,7 +49,7 @@ MOE_AXES = Axes(block_m=(16, 32, 64, 128))
 MOE_BF16_AXES = Axes(block_m=(16, 32, 64, 128), block_k=(32, 64, 128, 256))
 
 RULES = [
-    "BLOCK_SIZE_M <= max(16, next_pow2(rows)); rows = M (dense) or ceil(M*topk/E) (MoE)",
+    "BLOCK_SIZE_M <= max(16, next_pow2(rows)); rows = M (dense) or 2*ceil(M*topk/E) (MoE)",
     "no BLOCK_SIZE_M < 64 when rows >= 512",
     "GROUP_SIZE_M > 1 only when rows > BLOCK_SIZE_M",
     "num_warps 8 only for BLOCK_SIZE_M*BLOCK_SIZE_N >= 64*128",
