@@ -40,7 +40,11 @@ def run(args: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     (["depth", "--runs", "0"], "argument --runs: must be at least 1, got 0"),
     (["depth", "--margin", "-1"], "argument --margin: must be at least 0, got -1"),
     (["depth", "--depth", "0", "-1024"], "argument --depth: must be at least 0, got -1024"),
-    (["conc", "--duration", "0"], "argument --duration: must be more than 0, got 0"),
+    (["conc", "--duration", "0"], "argument --duration: must be at least 0.1, got 0"),
+    (["conc", "--duration", "1e-300"], "argument --duration: must be at least 0.1, got 1e-300"),
+    (["bench", "--pp", "100000000"], "argument --pp: must be at most 1000000, got 100000000"),
+    (["bench", "--pp", "1_000"], "argument --pp: must be a whole number, got '1_000'"),
+    (["bench", "--timeout", "1e309"], "argument --timeout: must be a finite number"),
     (["conc", "--duration", "inf"], "argument --duration: must be a finite number, got 'inf'"),
     (["conc", "--concurrency", "0"], "argument --concurrency: must be at least 1, got 0"),
     (["probe", "itl-stall", "--timeout", "-1"], "argument --timeout: must be more than 0"),
@@ -49,7 +53,7 @@ def run(args: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     (["stability", "long", "--max-tokens", "0"], "argument --max-tokens: must be at least 1"),
     (["stability", "long", "--runs", "0"], "argument --runs: must be at least 1, got 0"),
     (["report", "--last", "0"], "argument --last: must be at least 1, got 0"),
-    (["bench", "--runs", "two"], "argument --runs: invalid int value: 'two'"),
+    (["bench", "--runs", "two"], "argument --runs: must be a whole number, got 'two'"),
 ])
 def test_out_of_range_numbers_are_refused_naming_the_flag(
         args: list[str], message: str, tmp_path: Path,
@@ -102,11 +106,14 @@ def test_every_request_making_task_offers_timeout() -> None:
     assert "timeout" not in [o.name for o in options.command("report").options]
 
 
-def test_invoke_hands_a_zero_on_and_the_parser_refuses_it() -> None:
-    # tasks.py used to turn --runs 0 into the default; the value must arrive and be refused.
+def test_invoke_refuses_a_zero_with_the_declared_bound_not_the_default() -> None:
+    # tasks.py used to turn --runs 0 into the default; the value must arrive and be refused,
+    # by the same declaration, in the tasks' error/fix format (exit 1).
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-m", "invoke", "--search-root", str(ROOT), "bench",
                            "--runs", "0", *TARGET], capture_output=True, text=True, env=env,
                           cwd=ROOT, timeout=120)
-    assert done.returncode == 2
-    assert "argument --runs: must be at least 1, got 0" in done.stderr
+    assert done.returncode == 1
+    error, fix = done.stderr.splitlines()[-2:]
+    assert error == "error: --runs '0' must be at least 1, got 0"
+    assert fix.startswith("fix:") and "--runs a whole number of at least 1" in fix

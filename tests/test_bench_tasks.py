@@ -49,8 +49,10 @@ def test_invoke_bench_json_contract(tmp_path: Path) -> None:
             assert {"mean", "p50", "p90", "p99"} <= set(row[key])
         assert {"mean", "std", "min", "max"} <= set(row["pp_tps"])
         failed = invoke("probe", "no-such-probe", "--url", sim.url, "--model", "sim")
-        assert failed.returncode == 2
-        assert "invalid choice: 'no-such-probe'" in failed.stderr
+        assert failed.returncode == 1
+        error, fix = failed.stderr.splitlines()[-2:]
+        assert error.startswith("error: NAME 'no-such-probe' is not one of itl-stall, ")
+        assert fix.startswith("fix:")
 
 
 @pytest.mark.parametrize("args", [["stability", "--help"], ["probe", "--help"],
@@ -104,10 +106,10 @@ def test_task_hands_on_only_the_options_given() -> None:
     given = {o.name: None for o in depth.task_options}
     given.update(json=False, pp=4096, depth=["0", "1024"], set=["A=1", "B=2"], runs=0)
     assert options.task_argv(depth, given) == [
-        "depth", "--pp", "4096", "--runs", "0", "--depth", "0", "1024",
-        "--set", "A=1", "--set", "B=2"]
+        "depth", "--pp", "4096", "--runs=0", "--depth", "0", "1024",
+        "--set=A=1", "--set=B=2"]
     probe = options.command("probe")
     assert options.task_argv(probe, {"name": "itl-stall", "param": ["victims=3"], "json": True,
                                      "url": ""}) == [
-        "probe", "itl-stall", "--param", "victims=3", "--json"]
+        "probe", "itl-stall", "--param=victims=3", "--json"]
     assert options.task_argv(options.command("report"), {"kind": []}) == ["report"]

@@ -21,6 +21,7 @@ import argparse
 import inspect
 import json
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -30,18 +31,32 @@ from vllmstack.bench.history import KINDS
 from vllmstack.bench.ladders import DEFAULT_MARGIN
 
 TARGET = "target (default: the running stack from the profile)"
+WHOLE = re.compile(r"[+-]?[0-9]+")
+# The longest prompt, answer or context depth a command builds: the dashboard's bound too. The
+# server's own max_model_len is checked before any prompt is built; this bounds the memory of a
+# server that reports none (--pp 100000000 grew the client to 21.8 GB).
+MAX_TOKENS = 1_000_000
+# A week: longer waits overflow an event loop's timer, and no measurement needs one.
+MAX_SECONDS = 7 * 24 * 3600.0
+MAX_STREAMS = 65536  # concurrent requests, workers, max_num_seqs
+MAX_RUNS = 10_000
 
 
 def param_pair(text: str) -> tuple[str, Any]:
     """KEY=VALUE of --param; the value is JSON when it parses as JSON (3, true), else text."""
     key, sep, value = text.partition("=")
     if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text[:60]!r}")
     try:
         parsed: Any = json.loads(value)
     except ValueError:
         parsed = value
     return key.replace("-", "_"), parsed
+
+
+def _number(value: float) -> str:
+    """1000000, not 1e+06: a bound as a person types it."""
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
 
 
 def _probe_names() -> list[str]:
@@ -78,18 +93,43 @@ class Option:
     task_single: bool = False  # the invoke task takes one value (the run uses only the first)
     minimum: float | None = None  # numbers: the smallest value allowed...
     above: bool = False  # ...or, when set, the value it must exceed
+    maximum: float | None = None  # numbers: the largest value allowed
 
     def parse(self, text: str) -> Any:
         """argparse's type: convert, then refuse what is not finite or is out of bounds."""
-        value = self.value_type(text)
+        if self.value_type is int and not WHOLE.fullmatch(text.strip()):
+            # int() also reads "1_000" and other scripts' digits; a person types 0-9.
+            raise argparse.ArgumentTypeError(f"must be a whole number, got {text[:60]!r}")
+        try:
+            value = self.value_type(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text[:60]!r}") from None
         if isinstance(value, float) and not math.isfinite(value):
             raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
-        low = self.minimum
+        low, high = self.minimum, self.maximum
         if low is not None and isinstance(value, int | float) and (
                 value < low or (self.above and value == low)):
             need = "more than" if self.above else "at least"
             raise argparse.ArgumentTypeError(f"must be {need} {low:g}, got {text}")
+        if high is not None and isinstance(value, int | float) and value > high:
+            raise argparse.ArgumentTypeError(f"must be at most {_number(high)}, got {text}")
         return value
+
+    @property
+    def hint(self) -> str:
+        """What a value of this option is, for a fix line: "a whole number from 1 to 1000000"."""
+        if self.choices is not None:
+            return "one of " + ", ".join(self.choices())
+        kind = ("a whole number" if self.value_type is int else
+                "a number" if self.value_type is float else None)
+        if kind is None:
+            return "KEY=VALUE" if self.metavar == "KEY=VALUE" else "a value"
+        parts = [kind]
+        if self.minimum is not None:
+            parts.append(f"{'above' if self.above else 'of at least'} {self.minimum:g}")
+        if self.maximum is not None:
+            parts.append(f"at most {_number(self.maximum)}")
+        return " ".join(parts[:2]) + (f", {parts[2]}" if len(parts) > 2 else "")
 
     @property
     def flag_name(self) -> str:
@@ -162,7 +202,7 @@ TOKENIZER = Option("tokenizer", "tokenizer.json, model folder or cached HF id "
 API_KEY = Option("api_key", "Bearer token (default: $VLLM_API_KEY)", group=TARGET, task=False)
 MAX_NUM_SEQS = Option("max_num_seqs", "the server's max_num_seqs: top of the concurrency "
                       "ladder, load of the probes (default: VLLM_MAX_NUM_SEQS)", value_type=int,
-                      group=TARGET, task=False, minimum=1)
+                      group=TARGET, task=False, minimum=1, maximum=MAX_STREAMS)
 PROFILE = Option("profile", "model profile when targeting the stack (env/models/NAME.env)",
                  group=TARGET)
 PLATFORM = Option("platform", "platform layer when targeting the stack", group=TARGET)
@@ -170,24 +210,28 @@ SET = Option("set", "profile override KEY=VALUE, repeatable", repeat="flags", de
              metavar="KEY=VALUE", group=TARGET)
 TIMEOUT = Option("timeout", "total seconds per request, start to last byte; a server that keeps "
                  "the connection busy (keep-alive comments, trickled bytes) cannot extend it",
-                 value_type=float, default=600.0, group=TARGET, minimum=0, above=True)
+                 value_type=float, default=600.0, group=TARGET, minimum=0, above=True,
+                 maximum=MAX_SECONDS)
 HISTORY_DIR = Option("history_dir", "history folder (default: benchmarks/)", value_type=Path)
 NO_HISTORY = Option("no_history", "do not append to history", flag=True, task=False)
 JSON = Option("json", "print one JSON document on stdout (progress goes to stderr)", flag=True)
 
 PP = Option("pp", "prompt tokens, repeatable", value_type=int, default=(2048,), repeat="values",
-            minimum=1)
+            minimum=1, maximum=MAX_TOKENS)
 TG = Option("tg", "generated tokens, repeatable", value_type=int, default=(128,), repeat="values",
-            minimum=1)
+            minimum=1, maximum=MAX_TOKENS)
 # depth and conc measure one shape: they use the first value, and their tasks take one.
 PP_ONE = replace(PP, help="prompt tokens", task_single=True)
 TG_ONE = replace(TG, help="generated tokens", task_single=True)
-RUNS = Option("runs", "measured runs per cell", value_type=int, default=3, minimum=1)
+RUNS = Option("runs", "measured runs per cell", value_type=int, default=3, minimum=1,
+              maximum=MAX_RUNS)
 NO_WARMUP = Option("no_warmup", "skip the warm-up request", flag=True, task=False)
 EXTRA_BODY = Option("extra_body", "JSON object merged into every request", default="{}")
-SEED = Option("seed", "prompt text position seed", value_type=int, default=0, task=False)
+SEED = Option("seed", "prompt text position seed", value_type=int, default=0, task=False,
+              minimum=0, maximum=2**63 - 1)
+# At least 0.1 s: a shorter level sends nothing (--duration 1e-300 ran 0 requests and "passed").
 DURATION = Option("duration", "closed-loop seconds per level", value_type=float, default=30.0,
-                  minimum=0, above=True)
+                  minimum=0.1, maximum=MAX_SECONDS)
 # Accepted by every run kind, so one option set starts any of them (the dashboard relies on it).
 UNUSED_DURATION = replace(DURATION, help="used by conc only; accepted so every run kind takes "
                           "the same options", task=False)
@@ -213,11 +257,12 @@ COMMANDS = (
              # long ladder re-fills a deep context).
              replace(RUNS, help="measured runs per depth", default=2),
              Option("depth", "explicit depth, repeatable (default: ladder from the live "
-                    "max_model_len)", value_type=int, repeat="values", minimum=0),
+                    "max_model_len)", value_type=int, repeat="values", minimum=0,
+                    maximum=MAX_TOKENS),
              Option("prefix_caching", "auto | on (two-phase, cache hit checked) | off (blended); "
                     "auto reads /metrics", default="auto", choices=lambda: ("auto", "on", "off")),
              Option("margin", "tokens kept free at the top of the window", value_type=int,
-                    default=DEFAULT_MARGIN, minimum=0),
+                    default=DEFAULT_MARGIN, minimum=0, maximum=MAX_TOKENS),
              NO_WARMUP, EXTRA_BODY, SEED, UNUSED_DURATION, *PROFILE_OPTIONS),
             aliases=("bench-depth",)),
     Command("conc", "bench-conc",
@@ -226,7 +271,8 @@ COMMANDS = (
              replace(RUNS, help="not used by conc (--duration sets the sample); accepted so every "
                      "run kind takes the same options", task=False),
              Option("concurrency", "explicit level, repeatable (default: ladder up to "
-                    "max_num_seqs)", value_type=int, repeat="values", minimum=1),
+                    "max_num_seqs)", value_type=int, repeat="values", minimum=1,
+                    maximum=MAX_STREAMS),
              DURATION, replace(MAX_NUM_SEQS, task=True), NO_WARMUP, EXTRA_BODY, SEED,
              *PROFILE_OPTIONS),
             aliases=("bench-conc",)),
@@ -242,17 +288,20 @@ COMMANDS = (
             (Option("mode", "smoke | stress | long", positional=True, choices=_stability_modes),
              *TARGET_OPTIONS,
              Option("workers", "stress: parallel workers (default 2)", value_type=int,
-                    minimum=1),
+                    minimum=1, maximum=MAX_STREAMS),
              Option("requests", "stress: requests per worker (default 200)", value_type=int,
-                    minimum=1),
-             Option("max_tokens", "tokens per answer", value_type=int, minimum=1),
-             Option("runs", "long: runs (default 3)", value_type=int, minimum=1),
+                    minimum=1, maximum=1_000_000),
+             Option("max_tokens", "tokens per answer", value_type=int, minimum=1,
+                    maximum=MAX_TOKENS),
+             Option("runs", "long: runs (default 3)", value_type=int, minimum=1,
+                    maximum=MAX_RUNS),
              replace(PARAM, help="other setting KEY=VALUE, e.g. context_tokens=30000"),
              *PROFILE_OPTIONS)),
     Command("report", "report", "Markdown tables (and PNG charts) from the benchmark history.",
             (Option("kind", "bench | depth | conc | probe | stability, repeatable (default: all)",
                     default=KINDS, repeat="values", choices=lambda: KINDS),
-             Option("last", "records per kind", value_type=int, default=20, minimum=1),
+             Option("last", "records per kind", value_type=int, default=20, minimum=1,
+                    maximum=1_000_000),
              Option("out", "write the markdown to this file (charts next to it)", value_type=Path),
              Option("png", "also draw PNG charts (next to --out, else generated/report/)",
                     flag=True),
@@ -326,11 +375,10 @@ def task_argv(cmd: Command, values: Mapping[str, Any]) -> list[str]:
         elif opt.flag:
             argv.append(opt.flag_name)
         elif opt.repeat == "flags":
-            for item in value:
-                argv += [opt.flag_name, str(item)]
+            argv += [f"{opt.flag_name}={item}" for item in value]
         elif opt.repeat == "values":
             items = value if isinstance(value, list | tuple) else [value]
             argv += [opt.flag_name, *map(str, items)]
-        else:
-            argv += [opt.flag_name, str(value)]
+        else:  # one word, so a value that starts with "-" is not read as a flag
+            argv.append(f"{opt.flag_name}={value}")
     return argv

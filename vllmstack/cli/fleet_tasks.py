@@ -9,12 +9,13 @@ from invoke.context import Context
 
 from vllmstack.cli.common import JSON_HELP, Opt, Sets, print_json, project_here
 from vllmstack.cli.task import exit_with, stack_task
+from vllmstack.cli.values import ENGINE_PROFILE
 
 FLEET_HELP = {"platform": "platform layer (default: PLATFORM in .env)",
               "runtime": "native, compose, compose-v1 or podman (default: RUNTIME)"}
 
 
-@stack_task(iterable=["target"], help={
+@stack_task(iterable=["target"], values={"target": ENGINE_PROFILE}, help={
     **JSON_HELP, **FLEET_HELP,
     "target": "ENGINE:PROFILE, repeatable (e.g. -t vllm:qwen3-0.6b -t llamacpp:qwen3-0.6b-gguf)",
     "ctx": "prompt tokens of the long-context decode column",

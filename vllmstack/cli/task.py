@@ -6,25 +6,53 @@ option declarations (vllmstack/bench/options.py), so the options exist once.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from invoke.context import Context
-from invoke.exceptions import Exit
+from invoke.exceptions import Exit, ParseError
+from invoke.parser.argument import Argument
 from invoke.tasks import Task
 
 from vllmstack.bench import options as bench_options
+from vllmstack.cli.values import Value, ValueProblemError, check_text, value_of
 from vllmstack.core.errors import StackError
+
+
+class CheckedArgument(Argument):
+    """invoke's Argument, whose text becomes its value through the option's `Value`: a bad one is
+    invoke's ParseError carrying `error:` / `fix:`, which invoke prints before it exits 1."""
+
+    def __init__(self, value: Value, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.checked = value
+
+    def set_value(self, value: Any, cast: bool = True) -> None:
+        # A positional takes `-h` as its value; the task body shows help for it (stack_task).
+        if cast and not self.incrementable and not (self.positional and value in HELP_WORDS):
+            name = self.names[0]
+            flag = name.upper() if self.positional else (
+                "-" if len(name) == 1 else "--") + name.replace("_", "-")
+            try:
+                value = self.checked.check(flag, value)
+            except StackError as exc:
+                raise ParseError(exc.render()) from None
+            if self.kind is not list:  # checked and converted: invoke's cast would redo it
+                self.raw_value, self._value = value, value
+                return
+        super().set_value(value, cast=cast)
 
 
 class StackTask(Task[Any]):
     """invoke's Task, keeping `-h` for help and taking value kinds from a declaration."""
 
     def __init__(self, body: Callable[..., Any], *, kinds: dict[str, type] | None = None,
-                 **kwargs: Any) -> None:
+                 values: dict[str, Value] | None = None, **kwargs: Any) -> None:
         self.kinds = kinds or {}
+        self.values = values or {}
         # invoke pops each help text as it builds the parser; `render_help` needs them later.
         self.help_texts: dict[str, str] = dict(kwargs.get("help") or {})
         super().__init__(body, **kwargs)
@@ -37,6 +65,21 @@ class StackTask(Task[Any]):
         if name in self.kinds:  # an option defaulting to None would otherwise be parsed as text
             opts["kind"] = self.kinds[name]
         return opts
+
+    def get_arguments(self, ignore_unknown_help: bool | None = None) -> list[Argument]:
+        """invoke's arguments; each that takes a value is checked by its declared `Value` (one
+        declared nowhere gets its kind's bare check, and tests/test_cli_values.py names it)."""
+        out: list[Argument] = []
+        for arg in super().get_arguments(ignore_unknown_help):
+            if arg.kind is bool:  # a switch takes no value
+                out.append(arg)
+                continue
+            value = value_of(arg.name or "", self.values, arg.kind)
+            out.append(CheckedArgument(value, names=arg.names, kind=arg.kind, default=arg.default,
+                                       help=arg.help, positional=arg.positional,
+                                       optional=arg.optional, incrementable=arg.incrementable,
+                                       attr_name=arg.attr_name))
+        return out
 
 
 def stack_task(*, errors: tuple[type[BaseException], ...] = (),
@@ -56,8 +99,10 @@ def stack_task(*, errors: tuple[type[BaseException], ...] = (),
                 return fn(c, *args, **kw)
             except caught as exc:
                 sys.stdout.flush()  # what the task printed comes before the error
-                print(exc.render() if isinstance(exc, StackError) else f"error: {exc}",
-                      file=sys.stderr)
+                # One failure format, also for the plain errors a task lets through.
+                stack = exc if isinstance(exc, StackError) else StackError(
+                    str(exc), f"see `invoke {task.name} --help`")
+                print(stack.render(), file=sys.stderr)
                 raise Exit(code=1) from exc
 
         task = StackTask(body, **kwargs)
@@ -98,4 +143,25 @@ def bench_task(name: str) -> StackTask:
 
     body.__signature__ = cmd.task_signature()  # type: ignore[attr-defined]  # invoke reads it
     body.__name__, body.__doc__ = cmd.task.replace("-", "_"), cmd.doc
-    return stack_task(name=cmd.task, **cmd.task_settings())(body)
+    values = {opt.name: bench_value(opt) for opt in cmd.task_options if not opt.flag}
+    return stack_task(name=cmd.task, values=values, **cmd.task_settings())(body)
+
+
+def bench_value(opt: bench_options.Option) -> Value:
+    """A bench option's Value: its own declaration (bounds, choices) checks the text, which the
+    task then hands on as text to the same parser `python -m vllmstack.bench` uses."""
+
+    def convert(text: str) -> Any:
+        check_text(text)
+        if opt.choices is not None and text not in opt.choices():
+            raise ValueProblemError(f"is not one of {', '.join(opt.choices())}")
+        try:
+            return opt.parse(text)
+        except (argparse.ArgumentTypeError, ValueError) as exc:
+            raise ValueProblemError(str(exc)) from None
+
+    example = str(opt.default[0] if isinstance(opt.default, tuple) and opt.default else
+                  opt.default if opt.default not in (None, "") else "VALUE")
+    if opt.choices is not None:
+        example = next(iter(opt.choices()), example)
+    return Value(opt.hint, example, convert, keep_text=True)

@@ -12,7 +12,6 @@ Every value keeps the file and line that set it.
 
 from __future__ import annotations
 
-import io
 import math
 import re
 import shlex
@@ -20,18 +19,21 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dotenv.parser import parse_stream
-
+from vllmstack.config.envfiles import KEY_NAME as KEY_NAME  # re-exported: the names every layer uses
+from vllmstack.config.envfiles import Line as Line
+from vllmstack.config.envfiles import layer_file_problem
+from vllmstack.config.envfiles import layer_name_problem as layer_name_problem
+from vllmstack.config.envfiles import read_env_file as read_env_file
 from vllmstack.config.schema import Schema, as_bool, as_list, is_engine_env_name, load_schema, validate_value
 from vllmstack.core.checkout import derived_compose_project
 from vllmstack.core.errors import SettingError, StackError
-from vllmstack.core.files import decode_env_bytes
 from vllmstack.core.findings import Finding
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import MASK, is_secret_name, mask_argv
 
 PLATFORM_DIR = "platforms"
 MODEL_DIR = "models"
+MAX_LAYER_DEPTH = 32  # EXTENDS levels; the shipped profiles use 3
 REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
@@ -44,13 +46,6 @@ class Setting:
     @property
     def from_file(self) -> bool:
         return self.source not in ("--set", "default")
-
-
-@dataclass(frozen=True)
-class Line:
-    key: str
-    value: str
-    line: int
 
 
 @dataclass
@@ -148,79 +143,6 @@ class ProfileError(StackError):
     """Selection failed (unknown platform or profile); the message says what exists."""
 
 
-# A layer name is a path below env/ made of plain names: never absolute, never `..`, nothing a
-# generated file's comment or a label could misread.
-LAYER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*")
-KEY_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-
-
-def layer_name_problem(name: str, *, nested: bool = True) -> str | None:
-    """Why `name` cannot name a layer inside env/ (None when it can). `nested=False` for a
-    platform or model name, which is one file name in its folder."""
-    if name.startswith("/"):
-        return "is an absolute path; layers are named relative to env/"
-    if ".." in name.split("/"):
-        return "contains '..'; layers are named inside env/ only"
-    if not LAYER_NAME.fullmatch(name) or any(part.endswith(".") for part in name.split("/")):
-        return "is not a layer name (letters, digits, '.', '_', '-', folders joined by '/')"
-    if not nested and "/" in name:
-        return "names a folder; platforms and model profiles are single names"
-    return None
-
-
-def read_env_file(path: Path, display: str) -> tuple[list[Line], list[Finding]]:
-    """Parse one dotenv file keeping line numbers; duplicates, syntax errors, bytes that are not
-    UTF-8 and keys that are not variable names become findings."""
-    lines: list[Line] = []
-    seen: dict[str, int] = {}
-    text, problems = decode_env_bytes(path.read_bytes(), display)
-    text = text.replace("\r\n", "\n").replace("\r", "\n")  # as python-dotenv's own reading does
-    for binding in parse_stream(io.StringIO(text)):
-        # python-dotenv counts from the blank lines it skipped before the binding: skip them too.
-        original = binding.original.string
-        lineno = binding.original.line + original[:len(original) - len(original.lstrip())].count("\n")
-        where = f"{display}:{lineno}"
-        if binding.error:
-            problems.append(
-                Finding(
-                    "error", "syntax", f"cannot parse {binding.original.string.strip()!r}",
-                    source=where, fix="write KEY=VALUE, quote values with spaces or #",
-                )
-            )
-            continue
-        if binding.key is None:
-            continue
-        if binding.value is None:
-            problems.append(
-                Finding(
-                    "error", "syntax", f"{binding.key} has no '=' and no value", key=binding.key,
-                    source=where, fix=f"write {binding.key}=VALUE (or {binding.key}= for empty)",
-                )
-            )
-            continue
-        if not KEY_NAME.fullmatch(binding.key):
-            problems.append(
-                Finding(
-                    "error", "bad-key",
-                    f"{binding.key!r} ({where}) is not a variable name; the line is ignored",
-                    source=where, fix="keys are letters, digits and _ (not starting with a digit)",
-                )
-            )
-            continue
-        if binding.key in seen:
-            problems.append(
-                Finding(
-                    "error", "duplicate-key",
-                    f"{binding.key} is set twice in {display} (lines {seen[binding.key]} and "
-                    f"{lineno}); the later one would silently win",
-                    key=binding.key, source=where, fix="delete one of the two lines",
-                )
-            )
-        seen[binding.key] = lineno
-        lines.append(Line(binding.key, binding.value, lineno))
-    return lines, problems
-
-
 @dataclass
 class _Stack:
     project: Project
@@ -251,6 +173,15 @@ class _Stack:
                         key="EXTENDS", source=via, fix="remove one EXTENDS entry of the loop")
             )
             return
+        if len(chain) >= MAX_LAYER_DEPTH:
+            # Each EXTENDS is one call deeper: a 3,000-long chain ended in a RecursionError.
+            self.problems.append(
+                Finding("error", "layer-depth", f"EXTENDS chains more than {MAX_LAYER_DEPTH} "
+                        f"layers deep ({' -> '.join(chain[:3])} -> ... -> {name}); {name} and "
+                        "the layers it extends are not read", key="EXTENDS", source=via,
+                        fix="flatten the chain: a layer extends a family, a family a base")
+            )
+            return
         if any(p == path for p, _, _ in self.order):
             return
         if not path.is_file():
@@ -258,6 +189,14 @@ class _Stack:
                 Finding("error", "missing-layer", f"layer {name!r} does not exist ({self.display(path)})",
                         key="EXTENDS", source=via,
                         fix=f"create {self.display(path)} or fix the name")
+            )
+            return
+        refused = layer_file_problem(self.project.root, path)
+        if refused:
+            self.problems.append(
+                Finding("error", "layer-outside", f"layer {self.display(path)} {refused}; it is "
+                        "not read", key="EXTENDS", source=via,
+                        fix=f"copy the file into env/ instead of linking it ({self.display(path)})")
             )
             return
         display = self.display(path)
@@ -275,20 +214,18 @@ def available(project: Project, kind: str) -> list[str]:
     return sorted(p.stem for p in folder.glob("*.env")) if folder.is_dir() else []
 
 
-def parse_overrides(pairs: Sequence[str]) -> tuple[list[tuple[str, str]], list[Finding]]:
+def parse_overrides(pairs: Sequence[str]) -> list[tuple[str, str]]:
+    """--set KEY=VALUE pairs; ProfileError for one that is not (`=V`, `KEY`): left out with
+    exit 0, it made `config` show settings the user did not ask for."""
     out: list[tuple[str, str]] = []
-    problems: list[Finding] = []
     for pair in pairs:
         key, sep, value = pair.partition("=")
         key = key.strip()
-        if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
-            problems.append(
-                Finding("error", "bad-override", f"--set {pair!r} is not KEY=VALUE",
-                        source="--set", fix="write --set KEY=VALUE, e.g. --set VLLM_MAX_NUM_SEQS=4")
-            )
-            continue
+        if not sep or not KEY_NAME.fullmatch(key):
+            raise ProfileError(f"--set {pair[:80]!r} is not KEY=VALUE",
+                               "write --set KEY=VALUE, e.g. --set VLLM_MAX_NUM_SEQS=4")
         out.append((key, value))
-    return out, problems
+    return out
 
 
 def resolve(
@@ -317,8 +254,7 @@ def resolve(
                         fix="cp .env.example .env, then edit it for this machine")
             )
     dotenv_values = {line.key: line.value for line in dotenv_lines}
-    sets, set_problems = parse_overrides(overrides)
-    stack.problems.extend(set_problems)
+    sets = parse_overrides(overrides)
     set_values = dict(sets)
 
     defaults = schema.defaults()
@@ -347,6 +283,10 @@ def resolve(
                 f"unknown {kind[:-1]} {name!r}: env/{kind}/{name}.env does not exist. "
                 f"Available: {names}. Choose one with {flag} NAME."
             )
+        refused = layer_file_problem(project.root, project.env_dir / kind / f"{name}.env")
+        if refused:
+            raise ProfileError(f"env/{kind}/{name}.env {refused}; it is not read",
+                               "copy the file into env/ instead of linking it")
     stack.add_layer(f"{PLATFORM_DIR}/{platform_name}", None)
     stack.add_layer(f"{MODEL_DIR}/{model_name}", None)
 
@@ -491,6 +431,8 @@ def list_profiles(project: Project) -> list[ProfileInfo]:
     for kind, folder in (("platform", PLATFORM_DIR), ("model", MODEL_DIR)):
         for name in available(project, folder):
             path = project.env_dir / folder / f"{name}.env"
+            if layer_file_problem(project.root, path):
+                continue  # resolving it says why; a listing never reads it
             lines, _ = read_env_file(path, name)
             values = {line.key: line.value for line in lines}
             out.append(ProfileInfo(kind, name, values.get("PROFILE_DESCRIPTION", ""),
