@@ -257,3 +257,65 @@ def test_the_wrapper_names_only_an_unknown_pre_tokenizer(tmp_path: Path, body: s
                               "model", "--outfile", str(out)], capture_output=True, text=True,
                              check=False, cwd=tmp_path)
     assert (refused.returncode != 0) == (expected == "gpt-2")
+
+
+LOUD_BASE = '''
+import logging
+class TextModel:
+    def get_vocab_base_pre(self, tokenizer):
+        logging.getLogger("hf-to-gguf").warning("** WARNING: The BPE pre-tokenizer was not recognized!")
+        raise NotImplementedError("BPE pre-tokenizer was not recognized")
+'''
+TEMPLATE_STAND_IN = '''
+import logging, sys
+from conversion.base import TextModel
+logging.basicConfig(level=logging.INFO)
+logging.getLogger("gguf.vocab").info("Setting chat_template to {%- for m in messages %}" + "x" * 3000)
+out = sys.argv[sys.argv.index("--outfile") + 1]
+open(out, "w").write(TextModel().get_vocab_base_pre(None))
+'''
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_the_made_models_pre_tokenizer_is_applied_without_a_warning_box(
+        tmp_path: Path, quiet: bool) -> None:
+    """Issue 23: converting the stack's own model printed two warning boxes and the whole chat
+    template; with --quiet (a made model whose record is current) it prints neither."""
+    source = tmp_path / "llama.cpp"
+    (source / "conversion").mkdir(parents=True)
+    (source / "gguf-py").mkdir()
+    (source / "conversion" / "__init__.py").write_text("")
+    (source / "conversion" / "base.py").write_text(LOUD_BASE)
+    (source / "convert_hf_to_gguf.py").write_text(TEMPLATE_STAND_IN)
+    out = tmp_path / "out.txt"
+    done = subprocess.run([sys.executable, str(gc.RUNNER), "--source", str(source),
+                           "--pre-tokenizer", "gpt-2", *(["--quiet"] if quiet else []), "--",
+                           "model", "--outfile", str(out)],
+                          capture_output=True, text=True, check=False, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert out.read_text() == "gpt-2"
+    said = done.stdout + done.stderr
+    assert ("was not recognized" in said) is not quiet and ("!!!!" in said) is not quiet
+    assert "Setting chat_template (3024 characters)" in said and "{%- for" not in said
+
+
+def test_only_a_current_record_makes_the_conversion_quiet(project: Project, tree: Path,
+                                                          tmp_path: Path) -> None:
+    made = make_model("tiny", out=tmp_path / "tiny-qwen3")
+    assert gc.record_is_current(made.folder)
+    runner = runner_with()
+    convert(project, runner, made.folder)
+    argv = next(c for c in runner.calls if str(gc.RUNNER) in c)
+    assert argv[argv.index("--pre-tokenizer"):argv.index("--") + 1] == (
+        "--pre-tokenizer", "gpt-2", "--quiet", "--")
+    # Someone edited the tokenizer: the name is no longer the stack's fact, so it is said again.
+    tokenizer = made.folder / "tokenizer.json"
+    tokenizer.write_text(tokenizer.read_text().replace('"<think>"', '"<thonk>"'))
+    assert not gc.record_is_current(made.folder)
+    runner = runner_with()
+    convert(project, runner, made.folder, force=True)
+    assert "--quiet" not in next(c for c in runner.calls if str(gc.RUNNER) in c)
+    # An explicit --pre-tokenizer is the user's claim: never quiet.
+    runner = runner_with()
+    convert(project, runner, checkpoint(tmp_path / "other", record="gpt-2"), pre_tokenizer="qwen2")
+    assert "--quiet" not in next(c for c in runner.calls if str(gc.RUNNER) in c)

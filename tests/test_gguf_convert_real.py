@@ -45,3 +45,22 @@ def test_the_tiny_model_converts_to_a_qwen3_gguf(tmp_path: Path, outtype: str, f
     # bench-vs reads where the weights came from (a pair of identical weights) beside the file.
     sidecar = json.loads(done.path.with_name(done.path.name + ".json").read_text())
     assert sidecar["source"] == str(done.source.resolve()) and sidecar["outtype"] == outtype
+
+
+def test_the_made_model_converts_quietly_through_the_task(tmp_path: Path,
+                                                         converter_python: str) -> None:
+    """Issue 23: `invoke gguf-convert` of the stack's own model printed llama.cpp's "pre-tokenizer
+    was not recognized" box, the stack's own box, and the whole chat template."""
+    import subprocess
+    import sys
+
+    made = make_model("tiny", out=tmp_path / "tiny-qwen3")
+    out = tmp_path / "tiny.gguf"
+    done = subprocess.run([sys.executable, "-m", "invoke", "gguf-convert", str(made.folder),
+                           "--out", str(out), "--python", converter_python],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    said = done.stdout + done.stderr
+    assert done.returncode == 0, said[-3000:]
+    assert "not recognized" not in said and "!!!!" not in said and "****" not in said
+    assert "Setting chat_template (" in said and "{%-" not in said
+    assert gc.read_header(out)["pre_tokenizer"] == "gpt-2"

@@ -16,6 +16,7 @@ beside its destination and renamed into place, then read back with the `gguf` pa
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import sys
@@ -91,6 +92,17 @@ def record_pre_tokenizer(folder: Path) -> str:
     except (OSError, ValueError):
         return ""
     return str(data.get("gguf_pre_tokenizer") or "") if isinstance(data, dict) else ""
+
+
+def record_is_current(folder: Path) -> bool:
+    """Whether a made model's record still describes its tokenizer (tokenizer.json has the
+    digest recorded): then its pre-tokenizer name is the stack's own fact, applied quietly."""
+    try:
+        data = json.loads((folder / MODEL_RECORD).read_text())
+        digest = hashlib.sha256((folder / "tokenizer.json").read_bytes()).hexdigest()
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and data.get("tokenizer_sha256") == digest
 
 
 def known_pre_tokenizers(tree: Path) -> list[str]:
@@ -210,6 +222,9 @@ def gguf_convert(project: Project, resolved: Resolved, runner: Runner, *, model:
     ref = resolved.get_str("LLAMACPP_REF")
     tree = prepare_source(project, runner, ref, environ=environ, say=say).folder
     asked = pre_tokenizer if pre_tokenizer is not None else record_pre_tokenizer(folder)
+    # The stack's own model: its split is known (tests hold llama-server to its tokenizer.json),
+    # so the converter's "not recognized" box would only alarm (issue 23).
+    quiet = pre_tokenizer is None and bool(asked) and record_is_current(folder)
     known = known_pre_tokenizers(tree)
     if asked and known and asked not in known:
         raise ConvertError(f"--pre-tokenizer {asked!r} is not a pre-tokenizer llama.cpp {ref} "
@@ -219,10 +234,11 @@ def gguf_convert(project: Project, resolved: Resolved, runner: Runner, *, model:
     partial = target.with_name(f".{target.name}.partial")
     partial.unlink(missing_ok=True)
     argv = [interpreter, str(RUNNER), "--source", str(tree),
-            *(["--pre-tokenizer", asked] if asked else []), "--",
+            *(["--pre-tokenizer", asked] if asked else []), *(["--quiet"] if quiet else []), "--",
             str(folder), "--outfile", str(partial), "--outtype", outtype]
     say(f"converting {folder} to {target} ({outtype}) with llama.cpp {ref}'s converter"
-        + (f", pre-tokenizer {asked} if its hash is unknown" if asked else ""))
+        + (f", pre-tokenizer {asked} (the made model's)" if quiet else
+           f", pre-tokenizer {asked} if its hash is unknown" if asked else ""))
     started = time.monotonic()
     try:
         result = runner.run(argv, capture=not stream, env={**environ, "PYTHONNOUSERSITE": "1"})

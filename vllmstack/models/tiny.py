@@ -41,7 +41,8 @@ INIT_STD = 0.02  # the usual initializer range: logits stay small, so no NaN and
 # What the made model records about itself, beside its files: llama.cpp's name for its
 # pre-tokenizer. The corpus BPE splits like GPT-2 (ByteLevel with GPT-2's regex: "gpt-2" in the
 # pinned llama.cpp's src/llama-vocab.cpp), but llama.cpp's converter knows pre-tokenizers only by
-# the hash of a test string's tokens and refuses this one; `invoke gguf-convert` reads the record.
+# the hash of a test string's tokens and refuses this one; `invoke gguf-convert` reads the record
+# and, while tokenizer.json is the one recorded (its sha256), names it without a warning.
 MODEL_RECORD = "vllmstack-model.json"
 GGUF_PRE_TOKENIZER = "gpt-2"
 
@@ -248,8 +249,11 @@ def write_model_files(folder: Path, geometry: Geometry, *, seed: int = 0) -> tup
             "pad_token": "<|endoftext|>", "bos_token": None, "unk_token": None,
             "model_max_length": geometry.max_position, "clean_up_tokenization_spaces": False,
             "chat_template": CHAT_TEMPLATE},
+        # The tokenizer's digest binds the pre-tokenizer name to this very tokenizer:
+        # gguf-convert applies it without a warning only while tokenizer.json is unchanged.
         MODEL_RECORD: {"made_by": "invoke make-model", "repo": geometry.repo,
-                       "gguf_pre_tokenizer": GGUF_PRE_TOKENIZER},
+                       "gguf_pre_tokenizer": GGUF_PRE_TOKENIZER,
+                       "tokenizer_sha256": file_sha256(folder / "tokenizer.json")},
     }
     for name, data in files.items():
         (folder / name).write_text(json.dumps(data, indent=1) + "\n")
@@ -264,6 +268,10 @@ def write_model_files(folder: Path, geometry: Geometry, *, seed: int = 0) -> tup
         tensors.append((name, shape, data))
     written = write_safetensors(folder / "model.safetensors", tensors)
     return vocab, parameters, written + sum((folder / n).stat().st_size for n in files)
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def content_hash(folder: Path) -> str:
