@@ -101,8 +101,16 @@ def test_the_converter_runs_through_the_wrapper_into_models_dir(project: Project
     convert(project, runner, model, outtype="q8_0", force=True, pre_tokenizer="")
     argv = next(c for c in runner.calls if str(gc.RUNNER) in c)
     assert "--pre-tokenizer" not in argv and argv[-2:] == ("--outtype", "q8_0")
+    # The same conversion again is a no-op, as `make-model` is (a walk-through run twice works).
+    runner = runner_with()
+    again = convert(project, runner, model)
+    assert not again.made and again.path == target
+    assert not any(str(gc.RUNNER) in c for c in runner.calls)
+    assert gc.render_converted(again).startswith(f"already converted: {target}")
+    # Another checkpoint's file of that name is not overwritten without --force.
+    other = checkpoint(tmp_path / "elsewhere" / "my-model", record="gpt-2")
     with pytest.raises(gc.ConvertError) as exists:
-        convert(project, runner_with(), model)
+        convert(project, runner_with(), other)
     assert "already exists" in exists.value.cause
     assert exists.value.fix is not None and "--force" in exists.value.fix
 

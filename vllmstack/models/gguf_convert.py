@@ -58,11 +58,12 @@ class Converted:
     pre_tokenizer: str  # what was asked for ("" = the converter's own detection)
     seconds: float
     header: dict[str, Any] = field(default_factory=dict)
+    made: bool = True  # False: the same conversion was already there (see `converted_before`)
 
     def as_json(self) -> dict[str, Any]:
         return {"path": str(self.path), "source": str(self.source), "outtype": self.outtype,
                 "python": self.python, "pre_tokenizer": self.pre_tokenizer,
-                "seconds": round(self.seconds, 1), "header": self.header}
+                "seconds": round(self.seconds, 1), "header": self.header, "made": self.made}
 
 
 def resolve_model(resolved: Resolved, environ: Mapping[str, str], model: str) -> tuple[Path, str]:
@@ -92,6 +93,20 @@ def record_pre_tokenizer(folder: Path) -> str:
     except (OSError, ValueError):
         return ""
     return str(data.get("gguf_pre_tokenizer") or "") if isinstance(data, dict) else ""
+
+
+def converted_before(target: Path, folder: Path, outtype: str, ref: str) -> bool:
+    """Whether `target` is this very conversion: its sidecar names the same checkpoint, outtype
+    and converter, and no file of the checkpoint changed after it was written."""
+    try:
+        sidecar = json.loads(target.with_name(target.name + ".json").read_text())
+        written = target.stat().st_mtime
+        changed = max((f.stat().st_mtime for f in folder.iterdir() if f.is_file()), default=0.0)
+    except (OSError, ValueError):
+        return False
+    return (isinstance(sidecar, dict) and sidecar.get("source") == str(folder.resolve())
+            and sidecar.get("outtype") == outtype and sidecar.get("converter") == f"llama.cpp {ref}"
+            and changed <= written)
 
 
 def record_is_current(folder: Path) -> bool:
@@ -216,10 +231,13 @@ def gguf_convert(project: Project, resolved: Resolved, runner: Runner, *, model:
                            "halves them")
     folder, name = resolve_model(resolved, environ, model)
     target = output_path(resolved, environ, name, outtype, out)
-    if target.exists() and not force:
-        raise ConvertError(f"{target} already exists", "pass --force to convert again, or --out "
-                           "another path")
     ref = resolved.get_str("LLAMACPP_REF")
+    if target.exists() and not force:
+        if converted_before(target, folder, outtype, ref):  # as `make-model` is, a second run is a no-op
+            return Converted(target, folder, outtype, "", "", 0.0, read_header(target), made=False)
+        raise ConvertError(f"{target} already exists (not converted from {folder} as {outtype} "
+                           f"by llama.cpp {ref})", "pass --force to convert again, or --out "
+                           "another path")
     tree = prepare_source(project, runner, ref, environ=environ, say=say).folder
     asked = pre_tokenizer if pre_tokenizer is not None else record_pre_tokenizer(folder)
     # The stack's own model: its split is known (tests hold llama-server to its tokenizer.json),
@@ -270,6 +288,9 @@ def gguf_convert(project: Project, resolved: Resolved, runner: Runner, *, model:
 
 def render_converted(done: Converted) -> str:
     head = done.header
+    if not done.made:
+        return (f"already converted: {done.path} from {done.source} ({done.outtype}); "
+                "--force converts again")
     facts = ", ".join(f"{k} {head[k]}" for k in ("architecture", "tensors", "file_type_name",
                                                    "pre_tokenizer", "context_length")
                       if head.get(k) is not None)
