@@ -36,7 +36,7 @@ def sim(tokenizer_file: Path) -> Any:
 
 def run_cli(args: list[str], project: Project) -> tuple[int, str]:
     out = io.StringIO()
-    code = main(args, environ={}, project=project, out=out)
+    code = main(args, environ={}, project=project, out=out, err=out)
     return code, out.getvalue()
 
 

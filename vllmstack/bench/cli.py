@@ -21,7 +21,7 @@ import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 from vllmstack.bench import history
 from vllmstack.bench.client import ChatClient
@@ -55,9 +55,20 @@ class CliError(StackError):
     """A problem with the arguments or the environment; printed as `error: ...`, exit 2."""
 
 
+class StoppedError(StackError):
+    """SIGTERM or Ctrl-C ended the run: open streams were closed, nothing was appended."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, whose usage errors are the stack's: `error:` and `fix:`, not its usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        raise CliError(f"{self.prog}: {message}", f"see `{self.prog} --help`")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m vllmstack.bench",
-                                     description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser = Parser(prog="python -m vllmstack.bench",
+                    description=__doc__.split("\n\n")[0] if __doc__ else None)
     sub = parser.add_subparsers(dest="command", required=True)
     for cmd in COMMANDS:
         add_arguments(sub.add_parser(cmd.name, help=cmd.doc, aliases=list(cmd.aliases)), cmd)
@@ -151,12 +162,13 @@ async def _run_checks(args: argparse.Namespace, target: Target, environ: Mapping
 
 
 def _options(args: argparse.Namespace) -> RunOptions:
+    fix = "pass --extra-body a JSON object, e.g. --extra-body '{\"temperature\": 0.7}'"
     try:
         extra = json.loads(args.extra_body)
-    except ValueError as exc:
-        raise CliError(f"--extra-body is not JSON: {exc}") from exc
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested thousands deep
+        raise CliError(f"--extra-body is not JSON: {str(exc)[:200]}", fix) from None
     if not isinstance(extra, dict):
-        raise CliError("--extra-body must be a JSON object")
+        raise CliError("--extra-body must be a JSON object", fix)
     return RunOptions(
         pp=args.pp, tg=args.tg, runs=args.runs, depths=getattr(args, "depth", None),
         concurrency=getattr(args, "concurrency", None),
@@ -207,16 +219,14 @@ async def _dispatch(args: argparse.Namespace, project: Project, environ: Mapping
     return verdict.exit_code
 
 
-def main(argv: Sequence[str] | None = None, *, environ: Mapping[str, str] | None = None,
-         project: Project | None = None, out: TextIO | None = None) -> int:
-    """Parse, run, print; returns the exit code (never raises for user errors)."""
+def run(argv: Sequence[str] | None = None, *, environ: Mapping[str, str] | None = None,
+        project: Project | None = None, out: TextIO | None = None) -> int:
+    """Parse and run; returns the result's exit code (a probe's verdict, a failed run) and raises
+    StackError for a run that could not be done: the invoke tasks end on it with `error:` /
+    `fix:` and exit 1, `main` (`python -m vllmstack.bench`) prints it and returns 1 or 2."""
     environ = os.environ if environ is None else environ
     out = out or sys.stdout
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:
-        return int(exc.code or 0)
+    args = build_parser().parse_args(argv)
     project = project or Project.find()
     log = sys.stderr if getattr(args, "json", False) else out
 
@@ -227,10 +237,22 @@ def main(argv: Sequence[str] | None = None, *, environ: Mapping[str, str] | None
     try:
         return _run_with_signals(_dispatch(args, project, environ, out, progress))
     except asyncio.CancelledError:
-        progress("stopped by signal; nothing was appended to history")
-        return 1
+        raise StoppedError("stopped by signal; nothing was appended to history",
+                           "run it again to measure") from None
+
+
+def main(argv: Sequence[str] | None = None, *, environ: Mapping[str, str] | None = None,
+         project: Project | None = None, out: TextIO | None = None,
+         err: TextIO | None = None) -> int:
+    """`run`, its errors printed on `err` (stderr): exit 2 for the arguments, else 1."""
+    try:
+        return run(argv, environ=environ, project=project, out=out)
+    except SystemExit as exc:  # --help
+        return int(exc.code or 0)
     except StackError as exc:  # RunError, TargetError, TokenizerError, EndpointError, ...
-        progress(exc.render())
+        stream = err or sys.stderr
+        stream.write(exc.render() + "\n")
+        stream.flush()
         return EXIT_USAGE if isinstance(exc, CliError | ParamError) else 1
 
 

@@ -33,7 +33,7 @@ async def run_conc(session: Session, max_num_seqs: int | None) -> list[dict[str,
     session.progress(f"concurrency ladder {levels}: closed loop, {opts.duration_s:g} s per level, "
                      f"pp {pp}, tg {tg}")
     if opts.warmup:
-        await session.send(user(session.builder.build(pp).text), tg)
+        await session.send(user((await session.builder.build_async(pp)).text), tg)
     rows = []
     for level in levels:
         rows.append(await run_conc_level(session, level, pp, tg))
@@ -52,7 +52,7 @@ async def run_conc_level(session: Session, level: int, pp: int, tg: int) -> dict
     """
     opts = session.options
     per_worker = 4
-    pool = [session.builder.build(pp) for _ in range(level * per_worker)]
+    pool = [await session.builder.build_async(pp) for _ in range(level * per_worker)]
     results: list[tuple[int, int, RequestResult]] = []
 
     async def worker(index: int, stop_at: float) -> None:

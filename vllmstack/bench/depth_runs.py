@@ -60,7 +60,7 @@ async def run_depth(session: Session, max_model_len: int | None) -> list[dict[st
     if opts.warmup:
         # One warm-up per server, not per depth: re-filling a 100K+ context per rung doubles
         # the run time for nothing.
-        await session.send(user(session.builder.build(pp).text), tg)
+        await session.send(user((await session.builder.build_async(pp)).text), tg)
     rows = []
     for depth in depths:
         if depth == 0:
@@ -73,7 +73,7 @@ async def run_depth(session: Session, max_model_len: int | None) -> list[dict[st
 
 
 async def _depth_zero(session: Session, pp: int, tg: int) -> dict[str, Any]:
-    results = [await session.send(user(session.builder.build(pp).text), tg)
+    results = [await session.send(user((await session.builder.build_async(pp)).text), tg)
                for _ in range(session.options.runs)]
     row = summarize_results(session, results, pp=pp, tg=tg, depth=0, concurrency=1)
     row["mode"] = "cold"
@@ -84,8 +84,8 @@ async def _depth_zero(session: Session, pp: int, tg: int) -> dict[str, Any]:
 async def _depth_blended(session: Session, depth: int, pp: int, tg: int) -> dict[str, Any]:
     results = []
     for _ in range(session.options.runs):
-        context = session.builder.build(depth)
-        question = session.builder.build(pp)
+        context = await session.builder.build_async(depth)
+        question = await session.builder.build_async(pp)
         messages = [{"role": "system", "content": context.text},
                     {"role": "user", "content": question.text}]
         results.append(await session.send(messages, tg))
@@ -102,13 +102,13 @@ async def _depth_two_phase(session: Session, depth: int, pp: int, tg: int) -> di
     hits: list[float] = []
     all_hit = True
     for _ in range(session.options.runs):
-        context = session.builder.build(depth)
+        context = await session.builder.build_async(depth)
         system = {"role": "system", "content": context.text}
         load = await session.send([system, {"role": "user", "content": "."}], 1)
         if load.ok:
             ctx_pairs.append((load.prompt_tokens, load.ttft_s))
         before = await session.metrics()
-        question = session.builder.build(pp)
+        question = await session.builder.build_async(pp)
         result = await session.send([system, {"role": "user", "content": question.text}], tg)
         after = await session.metrics()
         results.append(result)

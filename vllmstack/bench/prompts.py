@@ -11,8 +11,11 @@ cacheable and lets a prefix cache inflate pp.)
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import random
+import threading
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -145,10 +148,22 @@ class PromptBuilder:
             raise ValueError("the prompt corpus is empty")
 
     def count(self, text: str) -> int:
-        return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        return len(self._encode_ids(text))
 
     def _encode_ids(self, text: str) -> list[int]:
+        # The batch call of `tokenizers` releases the GIL (its single call holds it: 1.6 s for a
+        # million tokens), so a prompt built on another thread leaves the main thread free to
+        # take a signal. A tokenizer without it (llama-server's /tokenize) encodes one text.
+        if hasattr(self.tokenizer, "encode_batch"):
+            return list(self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids)
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        if hasattr(self.tokenizer, "decode_batch"):
+            batch: list[str] = self.tokenizer.decode_batch([ids])
+            return batch[0]
+        text: str = self.tokenizer.decode(ids)
+        return text
 
     def _ensure_stream(self, needed: int) -> None:
         """Grow the token stream by whole shuffled passes over the corpus until it is long enough."""
@@ -169,8 +184,7 @@ class PromptBuilder:
         if length <= 0:
             return ""
         self._ensure_stream(start + length)
-        text: str = self.tokenizer.decode(self._stream[start:start + length])
-        return text
+        return self._decode(self._stream[start:start + length])
 
     def build(self, tokens: int, *, marker: str | None = None) -> Prompt:
         """A prompt of exactly `tokens` tokens (or the closest reachable, at worst ±1)."""
@@ -201,6 +215,34 @@ class PromptBuilder:
             body_len = max(0, body_len + (tokens - got))
         assert best is not None
         return Prompt(text=best[1], tokens=best[0], marker=marker)
+
+    async def build_async(self, tokens: int, *, marker: str | None = None) -> Prompt:
+        """`build` off the event loop: a long prompt is seconds of tokenizer work, during which
+        the loop must stay free to take SIGTERM or Ctrl-C (issue 28: `--pp 100000000` could not
+        be stopped). A daemon thread of its own, not the loop's executor: `asyncio.run` waits for
+        the executor's threads at exit, which would hold a stopped run until the prompt was done.
+        One build at a time per builder (its token stream is shared)."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[Prompt] = loop.create_future()
+
+        def deliver(settle: Any, value: Any) -> None:
+            def apply() -> None:
+                if not done.done():  # cancelled by a stop meanwhile
+                    settle(value)
+
+            with contextlib.suppress(RuntimeError):  # the loop closed after a stop
+                loop.call_soon_threadsafe(apply)
+
+        def work() -> None:
+            try:
+                prompt = self.build(tokens, marker=marker)
+            except BaseException as exc:  # handed to the awaiting task as it is
+                deliver(done.set_exception, exc)
+            else:
+                deliver(done.set_result, prompt)
+
+        threading.Thread(target=work, name="prompt-build", daemon=True).start()
+        return await done
 
     def filler(self, tokens: int) -> str:
         """Corpus text of about `tokens` tokens without a marker (follow-up turns, long answers)."""

@@ -60,11 +60,11 @@ async def run_bench(session: Session) -> list[dict[str, Any]]:
             if opts.warmup:
                 # One discarded request of the same shape: first-use costs (graph capture, JIT,
                 # allocator growth) must not land in the first measured run.
-                await session.send(user(session.builder.build(pp).text), tg)
+                await session.send(user((await session.builder.build_async(pp)).text), tg)
             results = []
             # Every prompt is built before the first request is timed, as the closed loop does:
             # both then time the same thing, a request and nothing else.
-            prompts = [session.builder.build(pp).text for _ in range(opts.runs)]
+            prompts = [(await session.builder.build_async(pp)).text for _ in range(opts.runs)]
             with steady_heap():
                 for run, text in enumerate(prompts):
                     result = await session.send(user(text), tg)
@@ -134,6 +134,7 @@ async def execute(
     try:
         live = await find_served_model(client, target.model)
         max_model_len = live_max_model_len(live) or target.max_model_len
+        options.check_window(kind, max_model_len)
         server: dict[str, Any] = {"max_model_len": max_model_len}
         with contextlib.suppress(EndpointError, ValueError):
             version = await client.get_json("/version")

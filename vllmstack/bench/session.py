@@ -32,6 +32,7 @@ from typing import Any
 
 from vllmstack.bench.client import ChatClient, EndpointError, RequestResult, chat_body
 from vllmstack.bench.ladders import DEFAULT_MARGIN
+from vllmstack.bench.options import MAX_TOKENS
 from vllmstack.bench.prompts import PromptBuilder
 from vllmstack.bench.stats import summarize
 from vllmstack.bench.target import Target
@@ -45,6 +46,12 @@ OVERHEAD_SAMPLES = 8
 # pp is a number only when the marginal prefill time is this many uncertainties above zero.
 RESOLUTION = 2.0
 BELOW_RESOLUTION = "below resolution"
+
+
+# What every measured request sends itself; --extra-body may add fields, not replace these.
+MEASURED_FIELDS = ("model", "messages", "prompt", "max_tokens", "max_completion_tokens",
+                   "min_tokens", "ignore_eos", "stream", "stream_options", "n", "best_of")
+MIN_DURATION_S = 0.1
 
 
 class RunError(StackError, RuntimeError):
@@ -68,14 +75,22 @@ class RunOptions:
 
     def check(self) -> None:
         """Refuse values no run can use (the parser refuses them first; other callers too)."""
-        if not self.pp or min(self.pp) < 1:
-            raise RunError("--pp needs positive token counts")
-        if not self.tg or min(self.tg) < 1:
-            raise RunError("--tg needs positive token counts")
+        if not self.pp or min(self.pp) < 1 or max(self.pp) > MAX_TOKENS:
+            raise RunError(f"--pp needs token counts from 1 to {MAX_TOKENS}")
+        if not self.tg or min(self.tg) < 1 or max(self.tg) > MAX_TOKENS:
+            raise RunError(f"--tg needs token counts from 1 to {MAX_TOKENS}")
         if self.runs < 1:
             raise RunError("--runs must be at least 1")
-        if not math.isfinite(self.duration_s) or self.duration_s <= 0:
-            raise RunError("--duration must be a positive, finite number of seconds")
+        if not math.isfinite(self.duration_s) or self.duration_s < MIN_DURATION_S:
+            # --duration 1e-300 sent no request at all and passed.
+            raise RunError(f"--duration must be a finite number of seconds, at least "
+                           f"{MIN_DURATION_S:g}")
+        clash = sorted(set(self.extra_body) & set(MEASURED_FIELDS))
+        if clash:
+            raise RunError(
+                f"--extra-body sets {', '.join(clash)}, which every measured request sends itself: "
+                "replaced, the record would say one thing and the server get another",
+                "leave them out of --extra-body (--pp and --tg set the lengths, --model the model)")
         if not math.isfinite(self.timeout_s) or self.timeout_s <= 0:
             raise RunError("--timeout must be a positive, finite number of seconds")
         if self.margin < 0:
@@ -86,6 +101,23 @@ class RunOptions:
             raise RunError("--concurrency needs levels of at least 1")
         if self.prefix_caching not in ("auto", "on", "off"):
             raise RunError("--prefix-caching must be auto, on or off")
+
+    def check_window(self, kind: str, window: int | None) -> None:
+        """Refuse a shape the server's window cannot hold, before any prompt of it is built
+        (`--pp 100000000` against an 8k server built 21.8 GB of prompt first). The chat template
+        adds a few tokens on top; the server still answers for those."""
+        if window is None:
+            return
+        tg = max(self.tg)
+        longest = max(self.pp) + tg + (max(self.depths or [0]) if kind == "depth" else 0)
+        if longest <= window:
+            return
+        what = "--depth + --pp + --tg" if kind == "depth" and self.depths else "--pp + --tg"
+        room = window - tg - (max(self.depths or [0]) if kind == "depth" else 0)
+        raise RunError(f"{what} is {longest} tokens, more than the server's max_model_len of "
+                       f"{window}; no prompt was built",
+                       f"pass --pp {room} or less" if room >= 1 else
+                       f"lower --tg (or --depth) below {window}, or serve a longer window")
 
 
 @dataclass
@@ -231,7 +263,7 @@ async def measure_overhead(session: Session) -> Overhead:
     sizes: list[int] = []
     missing: list[str] = []
     for _ in range(OVERHEAD_SAMPLES):
-        prompt = session.builder.build(OVERHEAD_PROMPT_TOKENS)
+        prompt = await session.builder.build_async(OVERHEAD_PROMPT_TOKENS)
         result = await session.client.stream_chat(session.body(user(prompt.text), 1))
         if not result.ok:
             raise RunError(f"the endpoint failed a one-token request: {result.why}")

@@ -137,9 +137,9 @@ def bench_task(name: str) -> StackTask:
     cmd = bench_options.command(name)
 
     def body(c: Context, **values: Any) -> None:
-        from vllmstack.bench.cli import main
+        from vllmstack.bench.cli import run
 
-        exit_with(main(bench_options.task_argv(cmd, values)))
+        exit_with(run(bench_options.task_argv(cmd, values)))  # its StackError: stack_task's
 
     body.__signature__ = cmd.task_signature()  # type: ignore[attr-defined]  # invoke reads it
     body.__name__, body.__doc__ = cmd.task.replace("-", "_"), cmd.doc
