@@ -146,6 +146,7 @@ class InstallReport:
     notes: list[str] = field(default_factory=list)
     system_site_packages: bool = False
     base_python: str = ""  # the interpreter the environment was made from
+    already: bool = False  # it was installed before: nothing was done
 
     def as_json(self) -> dict[str, Any]:
         return {"engine": self.engine, "version": self.version, "folder": str(self.folder),
@@ -153,7 +154,8 @@ class InstallReport:
                 "system_site_packages": self.system_site_packages, "base_python": self.base_python,
                 "installed": {k: v for k, v in self.packages.items() if k in REPORTED},
                 "packages": len(self.packages), "seconds": round(self.seconds, 1),
-                "replaced": self.replaced, "dry_run": self.dry_run, "notes": self.notes}
+                "replaced": self.replaced, "dry_run": self.dry_run, "notes": self.notes,
+                "already": self.already}
 
 
 def python_version(runner: Runner, python: str) -> tuple[int, int]:
@@ -267,10 +269,12 @@ def install_engine(
     manifest = read_manifest(folder)
     if manifest is not None:
         if not force:
-            raise EngineInstallError(
-                f"{engine} {manifest.get('installed', version)} is already installed in {folder} "
-                f"(from {manifest.get('source', '?')}, {manifest.get('installed_at', '?')})",
-                "use it (invoke up --runtime native), or start over with --force")
+            # A second install is a no-op, as llama.cpp's is: the quick start run twice works.
+            report.already = True
+            report.source = str(manifest.get("source", "?"))
+            report.notes.append(f"installed {manifest.get('installed_at', '?')}; --force "
+                                "installs it again")
+            return report
         check_not_in_use(project, folder)
         say(f"--force: removing the existing environment {folder}")
         report.replaced = True
@@ -371,8 +375,12 @@ def render_install(report: InstallReport, project: Project) -> str:
         where = str(report.folder.relative_to(project.root))
     except ValueError:
         where = str(report.folder)
-    if report.dry_run:
+    if report.dry_run and not report.already:
         return f"(dry run) would install {report.engine} {report.version} into {where}"
+    if report.already:
+        return "\n".join([f"{report.engine} {report.version} is already installed in {where} "
+                          f"(from {report.source}): nothing to do",
+                          *(f"note: {note}" for note in report.notes)])
     engine_version_text = report.packages.get(report.engine, report.version)
     others = [f"{name} {report.packages[name]}" for name in REPORTED
               if name != report.engine and name in report.packages]
