@@ -25,7 +25,7 @@ from vllmstack.cli.common import (
     project_here,
     resolve_here,
 )
-from vllmstack.cli.export_tasks import export  # noqa: F401
+from vllmstack.cli.export_tasks import EXPORT_TARGET, export  # noqa: F401
 from vllmstack.cli.fleet_tasks import bench_vs, burn, router  # noqa: F401 (invoke finds them here)
 from vllmstack.cli.llamacpp_tasks import gguf_convert, gpu_check  # noqa: F401
 from vllmstack.cli.maintenance_tasks import template_check  # noqa: F401
@@ -77,7 +77,8 @@ def test(c: Context, quick: bool = False, k: str | None = None) -> None:
                                     "deep": "also parse the argv with the pinned vLLM's own parser",
                                     "runtime": "check for this runtime (native, compose, compose-v1, "
                                     "podman; default RUNTIME)", "target": "also what does not "
-                                    "translate to an export: kube, production-stack or quadlet"})
+                                    "translate to an export: kube, production-stack or quadlet"},
+            values={"target": EXPORT_TARGET})
 def check(c: Context, model: Opt = None, platform: Opt = None, set: Sets = None, runtime: Opt = None,
           json: bool = False, deep: bool = False, verbose: bool = False, target: Opt = None) -> None:
     """Report every problem found before boot, each with the key, the file that set it and a fix."""

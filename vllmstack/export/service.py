@@ -23,11 +23,10 @@ from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner
 from vllmstack.export import helm, kube, quadlet, validate
 from vllmstack.export.spec import EngineSpec, ExportError, engine_spec
+from vllmstack.export.targets import KUBE, PRODUCTION_STACK, QUADLET, TARGETS
 
-PRODUCTION_STACK = "production-stack"
-KUBE = "kube"
-QUADLET = "quadlet"
-TARGETS = (PRODUCTION_STACK, KUBE, QUADLET)
+__all__ = ["KUBE", "PRODUCTION_STACK", "QUADLET", "TARGETS", "Exported", "Plan", "export",
+           "export_json", "plan_export", "plan_profiles", "render_exported", "target_findings"]
 MARKER = "Written by `invoke export"
 # What an exported folder's files may be read by: they hold no secret (references only).
 MODE = 0o644
@@ -65,8 +64,8 @@ def plan_profiles(project: Project, target: str, profiles: Sequence[Resolved],
                   environ: Mapping[str, str], runner: Runner) -> Plan:
     """plan_export for profiles already resolved."""
     if target not in TARGETS:
-        raise ExportError(f"{target!r} is not an export target",
-                          f"use one of: {', '.join(TARGETS)}")
+        raise ExportError(f"{target!r} is not an export target" if target else "no export target given",
+                          f"name one: --to {' | --to '.join(TARGETS)}")
     specs = [engine_spec(project, resolved, environ, runner) for resolved in profiles]
     names = [s.profile for s in specs]
     if len(set(names)) != len(names):
