@@ -384,3 +384,23 @@ def test_the_vendored_schema_is_the_one_its_provenance_names() -> None:
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     assert digest == validate.CHART_SCHEMA_SHA256
     assert digest in (path.parent / "PROVENANCE.md").read_text()
+
+
+def test_the_task_writes_and_reports_and_refuses_with_error_and_fix(project: Project, tmp_path: Path) -> None:
+    import subprocess
+
+    def invoke(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["invoke", "export", *args], cwd=project.root, capture_output=True,
+                              text=True, timeout=300)
+
+    done = invoke("--to", "kube", "--platform", "2xr9700", "--model", "qwen3.8-27b", "--out",
+                  str(tmp_path), "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["files"] == [str(tmp_path / "qwen3.8-27b.yaml")]
+    assert "export-image-local" in {f["code"] for f in report["findings"]}
+    refused = invoke("--to", "production-stack", "--platform", "r9700", "--model", "qwen3-0.6b-gguf",
+                     "--set", MODELS, "--out", str(tmp_path / "chart"))
+    assert refused.returncode == 1
+    assert "export-chart-vllm-only" in refused.stderr and "fix:" in refused.stderr
+    assert not (tmp_path / "chart").exists()
