@@ -28,7 +28,7 @@ from vllmstack.cli.common import (
 from vllmstack.cli.export_tasks import EXPORT_TARGET, export  # noqa: F401
 from vllmstack.cli.fleet_tasks import bench_vs, burn, router  # noqa: F401 (invoke finds them here)
 from vllmstack.cli.llamacpp_tasks import gguf_convert, gpu_check  # noqa: F401
-from vllmstack.cli.maintenance_tasks import template_check  # noqa: F401
+from vllmstack.cli.maintenance_tasks import template_check, update_check  # noqa: F401
 from vllmstack.cli.task import bench_task, exit_with, stack_task
 from vllmstack.core.errors import StackError
 

@@ -103,7 +103,7 @@ TASKS = ["bench", "bench-conc", "bench-depth", "bench-vs", "build", "burn", "che
          "config", "dashboard", "dashboard-down", "dashboard-up", "doctor", "down", "engines", "exec",
          "export", "gguf-convert", "gpu-check", "import-env", "install-engine", "logs", "make-model", "probe",
          "profiles", "rebuild", "report", "router", "stability", "status", "template-check", "test", "up",
-         "verify-patches"]
+         "update-check", "verify-patches"]
 
 
 def test_task_list_is_unchanged() -> None:

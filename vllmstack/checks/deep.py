@@ -294,8 +294,11 @@ def parse_argvs(
     docker: str = "docker",
     resolved: Sequence[Resolved | None] | None = None,
     environ: Mapping[str, str] | None = None,
+    python: Path | None = None,
 ) -> list[list[Finding]]:
-    """Like parse_argv for many argvs in one run (importing vLLM dominates the time)."""
+    """Like parse_argv for many argvs in one run (importing vLLM dominates the time); `python`:
+    an interpreter that already has this vLLM (a native engine's environment) instead of the
+    parser venv, so nothing is installed."""
     origins = list(resolved) if resolved is not None else [None] * len(argvs)
     out: list[list[Finding]] = [[] for _ in argvs]
     words: list[list[str]] = []
@@ -311,7 +314,11 @@ def parse_argvs(
     script = script_path(project)
     payload = json.dumps(words)
     run_env = {**base_env, **PARSE_ENV}
-    if image and _image_exists(runner, docker, image):
+    if python is not None:
+        command = [str(python), str(script), payload]
+        where = f"vLLM {version} at {python}"
+        run_env["PYTHONPATH"] = ""
+    elif image and _image_exists(runner, docker, image):
         command = [docker, "run", "--rm", "--network", "none", "--entrypoint", "python3"]
         for name, value in PARSE_ENV.items():
             command += ["-e", f"{name}={value}"]

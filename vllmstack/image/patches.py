@@ -318,6 +318,20 @@ def verify_patches(
     return VerifyReport(reports)
 
 
+def verify_component(project: Project, resolved: Resolved, runner: Runner, name: str, *,
+                     environ: Mapping[str, str], ref: str, repo: str | None = None,
+                     patch_dir: str | None = None, tool: Path | None = None) -> ComponentReport:
+    """One component's patches and overlays at `ref` (what `invoke update-check` asks of the
+    newest upstream release): the same verification as verify_patches, for one folder."""
+    git = GitTool(runner, project.cache, environ)
+    folder = Path(patch_dir) if patch_dir else project.patches / name
+    if not folder.is_absolute():
+        folder = project.root / folder
+    mine = project.root / "scripts" / "apply-patches.py"
+    return _verify_component(project, resolved, git, tool or (mine if mine.is_file() else PATCH_SCRIPT),
+                             name, folder, ref, repo, named=patch_dir is not None)
+
+
 def _stray_files(project: Project) -> ComponentReport | None:
     """Files directly under patches/ (a patch dropped one folder too high is never applied)."""
     if not project.patches.is_dir():
