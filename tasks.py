@@ -30,6 +30,7 @@ from vllmstack.cli.fleet_tasks import bench_vs, burn, router  # noqa: F401 (invo
 from vllmstack.cli.llamacpp_tasks import gguf_convert, gpu_check  # noqa: F401
 from vllmstack.cli.maintenance_tasks import template_check, update_check  # noqa: F401
 from vllmstack.cli.task import bench_task, exit_with, stack_task
+from vllmstack.cli.values import PORT
 from vllmstack.core.errors import StackError
 
 _project = project_here
@@ -206,7 +207,7 @@ def dashboard_down(c: Context, runtime: Opt = None) -> None:
 
 # --- dashboard ---------------------------------------------------------------------------
 
-@stack_task(iterable=["set"], help={
+@stack_task(iterable=["set"], values={"port": PORT.as_text()}, help={
     **PROFILE_HELP, "port": "port (default: DASHBOARD_PORT)",
     "host": "address to listen on (default: DASHBOARD_BIND, else 127.0.0.1)",
     "engine_url": "engine base URL (default: http://127.0.0.1:VLLM_PORT); any engine works",
@@ -291,17 +292,14 @@ def rebuild(c: Context, model: Opt = None, platform: Opt = None, set: Sets = Non
     _build(model, platform, set, dry_run, target, no_cache=True, engine=engine, prebuilt=prebuilt)
 
 
-@stack_task(errors=(FileExistsError,),  # write_profile never overwrites; its message says so
-            help={"file": "the earlier stack's env file to read",
+@stack_task(help={"file": "the earlier stack's env file to read",
                   "name": "write env/models/NAME.env from the model keys (never overwrites)",
                   "extends": "layer the written profile builds on, e.g. families/qwen3.6"})
 def import_env(c: Context, file: str, name: Opt = None, extends: Opt = None) -> None:
     """Read a profile of the earlier just/compose stack and report what maps where."""
     from vllmstack.config import migrate
 
-    if not (source := Path(file)).is_file():
-        raise StackError(f"{file} does not exist")
-    mappings = migrate.map_env_file(source)
+    mappings = migrate.map_env_file(source := Path(file))  # a folder or a FIFO is refused there
     print(migrate.render_mapping(mappings))
     if name:
         written = migrate.write_profile(_project(), name, source, mappings, extends)

@@ -93,7 +93,8 @@ def resolve_target(args: argparse.Namespace, project: Project,
                                       overrides=args.set, environ=environ,
                                       say=lambda line: print(line, file=sys.stderr)))
     except ProfileError as exc:
-        raise CliError(f"{exc} (or pass --url and --model to target any server)") from exc
+        raise CliError(exc.cause, f"{exc.fix + ', ' if exc.fix else ''}or pass --url and --model "
+                       "to target any server") from exc
     target = target_from_profile(resolved, url=args.url, model=args.model,
                                  tokenizer=args.tokenizer, max_num_seqs=args.max_num_seqs)
     target.roofline = roofline_inputs(resolved, environ)
@@ -124,7 +125,8 @@ def _load_builder(target: Target, environ: Mapping[str, str], required: bool
                   ) -> tuple[PromptBuilder | None, Any]:
     if not target.tokenizer:
         if required:
-            raise CliError("no tokenizer: pass --tokenizer or set VLLM_TOKENIZER")
+            raise CliError("no tokenizer: this probe builds prompts of exact length",
+                           "pass --tokenizer or set VLLM_TOKENIZER")
         return None, None
     try:
         tokenizer = load_tokenizer(find_tokenizer(target.tokenizer, environ, target.hf_cache))
@@ -188,8 +190,12 @@ async def _dispatch(args: argparse.Namespace, project: Project, environ: Mapping
         text, charts = build_report(folder, args.kind, last=args.last, chart_dir=chart_dir,
                                     warn=lambda line: progress(f"warning: {line}"))
         if args.out:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(text)
+            try:
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(text)
+            except OSError as exc:
+                raise CliError(f"cannot write --out {args.out}: {exc.strerror or exc}",
+                               "pass --out a file in a folder you can write to") from None
             progress(f"wrote {args.out}")
         if args.json:
             out.write(json.dumps({"markdown": text, "charts": [str(c) for c in charts]}) + "\n")

@@ -14,12 +14,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import statistics
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import Any, TextIO
 
 import requests
@@ -151,15 +153,79 @@ def needs_down(stack: Stack) -> bool:
 
 def take_down(stack: Stack, spec: str, notes: list[str]) -> str | None:
     """`down` (which waits until the engine's GPU memory has drained) when anything of `spec`
-    started. Returns why no other profile may start when it did not stop (None: it stopped)."""
-    try:
-        if needs_down(stack):
-            lifecycle.down(stack)
-    except StackError as exc:
-        notes.append(f"did not stop: {one_line(exc.cause)}")
-        return (f"the previous profile ({spec}) did not stop: {one_line(exc.cause)}; nothing "
-                "else was started")
+    started. Returns why no other profile may start when it did not stop (None: it stopped).
+    A signal that arrives meanwhile waits until `down` is done (`stop_on_signals`)."""
+    with _deferred_signals():
+        try:
+            if needs_down(stack):
+                lifecycle.down(stack)
+        except StackError as exc:
+            notes.append(f"did not stop: {one_line(exc.cause)}")
+            return (f"the previous profile ({spec}) did not stop: {one_line(exc.cause)}; nothing "
+                    "else was started")
     return None
+
+
+# --- signals: the engine a command started is taken down however the command ends ---------------
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+
+class Interrupted(BaseException):
+    """SIGTERM, SIGHUP (the terminal closed) or SIGINT ended a command that brings profiles up
+    and down. Raised in the main thread where it was, so the `finally` that takes the profile
+    down runs; a BaseException, so no `except StackError`/`Exception` on the way swallows it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@dataclass
+class _Guard:
+    installed: bool = False
+    depth: int = 0  # inside `down`: a signal waits until it is done
+    pending: int | None = None
+
+
+_GUARD = _Guard()
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """While a command runs, STOP_SIGNALS raise Interrupted instead of ending the process where it
+    stands: Python's default for SIGTERM and SIGHUP ends it without running a `finally`, which
+    left the engine `up` had started running (issue 22 #8). Main thread only (signals are)."""
+    if threading.current_thread() is not threading.main_thread() or _GUARD.installed:
+        yield
+        return
+
+    def interrupt(signum: int, _frame: FrameType | None) -> None:
+        if _GUARD.depth:
+            _GUARD.pending = signum
+            return
+        raise Interrupted(signum)
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in STOP_SIGNALS}
+    _GUARD.installed, _GUARD.pending = True, None
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        _GUARD.installed = False
+
+
+@contextlib.contextmanager
+def _deferred_signals() -> Iterator[None]:
+    _GUARD.depth += 1
+    try:
+        yield
+    finally:
+        _GUARD.depth -= 1
+    if not _GUARD.depth and _GUARD.pending is not None and _GUARD.installed:
+        signum, _GUARD.pending = _GUARD.pending, None
+        raise Interrupted(signum)
 
 
 def keep_alive(engine: str) -> bool:

@@ -121,8 +121,8 @@ async def execute(
         raise RunError(f"unknown run kind {kind!r}; use one of {', '.join(RUN_KINDS)}")
     options.check()
     if not target.tokenizer:
-        raise RunError("no tokenizer: pass --tokenizer (tokenizer.json or model folder) or set "
-                       "VLLM_TOKENIZER; prompts of exact length need the model's tokenizer")
+        raise RunError("no tokenizer: prompts of exact length need the model's tokenizer",
+                       "pass --tokenizer (tokenizer.json or model folder) or set VLLM_TOKENIZER")
     tokenizer_path = resolve_tokenizer(target.tokenizer, environ, target.hf_cache)
     tokenizer = load_tokenizer(tokenizer_path)
     own_client = client is None

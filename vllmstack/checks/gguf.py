@@ -11,6 +11,8 @@ src/llama-hparams.cpp). The rules that use them are in llamacpp.py.
 from __future__ import annotations
 
 import re
+import stat
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import resources
@@ -33,6 +35,13 @@ SPLIT_NAME = re.compile(r"^(?P<stem>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gg
 # has no full_attention_interval (src/models/qwen35.cpp, qwen35moe.cpp, qwen3next.cpp).
 INTERVAL_4_ARCHS = ("qwen35", "qwen35moe", "qwen3next")
 F32_BYTES = 4  # recurrent (Mamba/GDN) state is kept in f32
+# The fixed header: magic, version, tensor count, key/value count (gguf.md).
+GGUF_MAGIC = b"GGUF"
+HEADER_BYTES = 24
+# The least bytes one entry takes: a tensor's name length, one dimension, type and offset; a
+# pair's key length and value type plus the smallest value.
+MIN_TENSOR_INFO = 8 + 4 + 8 + 4 + 8
+MIN_KV_PAIR = 8 + 4 + 1
 
 
 class GgufError(ValueError):
@@ -149,10 +158,6 @@ def known_archs() -> frozenset[str]:
 
 def read_gguf(path: Path) -> GgufInfo:
     """The header facts of a GGUF file (and its sibling split files). Raises GgufError."""
-    if not path.exists():
-        raise GgufError("missing", f"{path} does not exist")
-    if path.is_dir():
-        raise GgufError("invalid", f"{path} is a folder, not a .gguf file")
     reader = _open(path)
     arch = _str(reader, "general.architecture")
     if not arch:
@@ -164,6 +169,11 @@ def read_gguf(path: Path) -> GgufInfo:
             part = path.with_name(f"{split.group('stem')}-{index:05d}-of-{split.group('count')}.gguf")
             tensors += [(t.name, t.tensor_type.name, int(t.n_bytes)) for t in _open(part).tensors]
     blocks = _int(reader, f"{arch}.block_count") or 0
+    if not 0 <= blocks <= len(tensors):
+        # Every layer holds tensors of its own: a count beyond them is a header that lies, and
+        # the per-layer tables below would be that long (10^12 layers: MemoryError).
+        raise GgufError("invalid", f"{path} claims {blocks} layers but holds {len(tensors)} "
+                        "tensors: not a GGUF file llama.cpp can load")
     layer_bytes: dict[int, int] = {}
     expert_bytes: dict[int, int] = {}
     by_type: dict[str, int] = {}
@@ -200,6 +210,7 @@ def read_gguf(path: Path) -> GgufInfo:
 
 
 def _open(path: Path) -> Any:
+    _check_header(path)
     from gguf import GGUFReader
 
     try:
@@ -214,6 +225,39 @@ def _open(path: Path) -> Any:
         # gguf-py raises ValueError("GGUF magic invalid") for another format, and index or
         # key errors on a header cut short (a download that stopped).
         raise GgufError("invalid", f"{path} is not a GGUF file llama.cpp can read ({exc})") from exc
+
+
+def _check_header(path: Path) -> None:
+    """Refuse before the reader maps the file: what is not a regular file (a FIFO blocks the
+    open for ever), and counts of tensors or key/value pairs that the file is too small to hold
+    (each takes bytes of its own); the reader would otherwise trust them."""
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        raise GgufError("missing", f"{path} does not exist") from None
+    except OSError as exc:
+        raise GgufError("unreadable", f"{path} cannot be read ({exc.strerror or exc})") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise GgufError("invalid", f"{path} is a folder, not a .gguf file")
+    if not stat.S_ISREG(info.st_mode):
+        raise GgufError("invalid", f"{path} is not a regular file (a pipe, socket or device): "
+                        "a model is read from a file")
+    try:
+        with path.open("rb") as handle:
+            head = handle.read(HEADER_BYTES)
+    except OSError as exc:
+        raise GgufError("unreadable", f"{path} cannot be read ({exc.strerror or exc})") from None
+    if len(head) < HEADER_BYTES or head[:4] != GGUF_MAGIC:
+        return  # not GGUF, or cut short: the reader says so in its words
+    # A file written big-endian reads as version 0x0N000000 here (the reader's own test).
+    order = ">" if struct.unpack("<I", head[4:8])[0] & 0xFFFF == 0 else "<"
+    tensors, pairs = struct.unpack(order + "QQ", head[8:24])
+    room = info.st_size - HEADER_BYTES
+    for what, count, least in (("tensors", tensors, MIN_TENSOR_INFO), ("key/value pairs", pairs,
+                                                                        MIN_KV_PAIR)):
+        if count * least > room:
+            raise GgufError("invalid", f"{path} claims {count} {what} in a {info.st_size}-byte "
+                            "file: not a GGUF file llama.cpp can read")
 
 
 def _value(reader: Any, key: str) -> Any:

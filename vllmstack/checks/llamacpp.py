@@ -213,6 +213,8 @@ def rule_llamacpp_memory(ctx: CheckContext) -> list[Finding]:
                         "GPU_VRAM_GIB in .env")]
     capacity = vram * gpus * GIB
     layers_word = ctx.resolved.get_str(GPU_LAYERS_KEY)
+    if layers_word not in ("auto", "all") and not (layers_word.isascii() and layers_word.isdigit()):
+        return []  # not a layer count ('²', 'abc'): rule_llamacpp_argv reports it, with its line
     ngl = info.block_count + 1 if layers_word in ("auto", "all") else int(layers_word)
     need = projection.need(ngl, None)
     where = (f"{projection.describe(ngl)} ≈ {need / GIB:.1f} GiB against {vram:g} GiB × {gpus} GPU(s) "

@@ -2,14 +2,32 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 
 from invoke.context import Context
 
 from vllmstack.cli.common import JSON_HELP, Opt, Sets, print_json, project_here
 from vllmstack.cli.task import exit_with, stack_task
 from vllmstack.cli.values import ENGINE_PROFILE
+from vllmstack.core.errors import StackError
+
+
+@contextlib.contextmanager
+def stopped_cleanly(command: str) -> Iterator[None]:
+    """SIGTERM, SIGHUP or Ctrl-C: the profile in progress is taken down (resident.take_down runs
+    on the way out), then the command ends with error/fix instead of leaving its engine behind."""
+    from vllmstack.bench.resident import Interrupted, stop_on_signals
+
+    try:
+        with stop_on_signals():
+            yield
+    except Interrupted as stop:
+        raise StackError(f"{command} stopped by {stop}: the profile it had up was taken down and "
+                         "nothing was recorded", f"run `invoke {command}` again") from None
+
 
 FLEET_HELP = {"platform": "platform layer (default: PLATFORM in .env)",
               "runtime": "native, compose, compose-v1 or podman (default: RUNTIME)"}
@@ -27,10 +45,11 @@ def bench_vs(c: Context, target: Sets = None, ctx: int = 8000, concurrency: int 
     """Bring each target up in turn, measure it with one client and one definition, take it down."""
     from vllmstack.bench import vs, vs_report
 
-    result = vs.run_bench_vs(project_here(), os.environ, list(target or []), think=think,
-                             ctx=ctx, concurrency=concurrency,
-                             platform=platform, runtime=runtime,
-                             out=sys.stderr if json else sys.stdout)
+    with stopped_cleanly("bench-vs"):
+        result = vs.run_bench_vs(project_here(), os.environ, list(target or []), think=think,
+                                 ctx=ctx, concurrency=concurrency,
+                                 platform=platform, runtime=runtime,
+                                 out=sys.stderr if json else sys.stdout)
     print_json(result.record) if json else print(vs_report.render(result.record))
     exit_with(1 if result.failed else 0)
 
@@ -46,9 +65,10 @@ def burn(c: Context, profiles: Opt = None, runs: int = 5, warmup: int = 2, max_t
     from vllmstack.bench import burn as burn_test
 
     chosen = [p.strip() for p in (profiles or "").split(",") if p.strip()] or None
-    result = burn_test.run_burn(project_here(), os.environ, profiles=chosen, runs=runs,
-                                warmup=warmup, max_tokens=max_tokens, platform=platform,
-                                runtime=runtime, out=sys.stderr if json else sys.stdout)
+    with stopped_cleanly("burn"):
+        result = burn_test.run_burn(project_here(), os.environ, profiles=chosen, runs=runs,
+                                    warmup=warmup, max_tokens=max_tokens, platform=platform,
+                                    runtime=runtime, out=sys.stderr if json else sys.stdout)
     print_json(result.record) if json else print(burn_test.render(result.record))
     exit_with(1 if result.failed else 0)
 

@@ -99,10 +99,13 @@ def stack_task(*, errors: tuple[type[BaseException], ...] = (),
                 return fn(c, *args, **kw)
             except caught as exc:
                 sys.stdout.flush()  # what the task printed comes before the error
-                # One failure format, also for the plain errors a task lets through.
-                stack = exc if isinstance(exc, StackError) else StackError(
-                    str(exc), f"see `invoke {task.name} --help`")
-                print(stack.render(), file=sys.stderr)
+                # One failure format: error, then fix, last (issue 23), also for an error that
+                # names no fix of its own and for the plain errors a task lets through.
+                cause = exc.cause if isinstance(exc, StackError) else str(exc)
+                fix = exc.fix if isinstance(exc, StackError) and exc.fix else (
+                    f"see `invoke {task.name.replace('_', '-')} --help`, and the lines above")
+                details = exc.details if isinstance(exc, StackError) else []
+                print(StackError(cause, fix, details).render(), file=sys.stderr)
                 raise Exit(code=1) from exc
 
         task = StackTask(body, **kwargs)

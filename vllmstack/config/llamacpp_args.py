@@ -142,7 +142,9 @@ def _checked(resolved: Resolved, schema: Schema, key: str) -> str:
     if problem is not None:
         choices = f"one of {', '.join(spec.choices)}" if spec.choices else f"a {spec.type}"
         raise _bad(resolved, key, problem, f"set {key} to {choices}: {spec.description}")
-    if key == GPU_LAYERS_KEY and value not in GPU_LAYER_WORDS and not value.isdigit():
+    # ASCII digits: str.isdigit() also takes '²' and '٣', which llama-server cannot read.
+    if key == GPU_LAYERS_KEY and value not in GPU_LAYER_WORDS and not (
+            value.isascii() and value.isdigit()):
         raise _bad(resolved, key, f"must be a whole number, auto or all, got {value!r}",
                    f"set {key}=auto (fit to free memory), all, or a layer count such as 99")
     if key == PARALLEL_KEY and value == "0":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,10 +24,17 @@ MOVED = {
                                        "(`invoke check --deep` tells)",
 }
 HOME_PATH = re.compile(r"^(/home/[^/]+|/root)/")
+SHOWN_ERRORS = 20  # lines that cannot be read, named one by one; the rest are counted
+# Far above any profile (the shipped ones are under 4 KiB); a 50 MB file is not one.
+MAX_ENV_BYTES = 1 << 20
 
 
 class ImportEnvError(StackError):
     """The file to import cannot be read exactly, or the profile cannot be written as asked."""
+
+
+class ProfileExistsError(ImportEnvError, FileExistsError):
+    """--name names a profile that exists: it is never overwritten."""
 
 
 @dataclass(frozen=True)
@@ -40,14 +48,20 @@ class Mapping:
 
 def map_env_file(path: Path, schema: Schema | None = None) -> list[Mapping]:
     schema = schema or load_schema()
+    check_source(path)
     lines, problems = read_env_file(path, path.name)
     errors = [p for p in problems if p.severity == "error"]
     if errors:  # a line read wrongly or dropped would be imported wrongly or silently lost
+        shown = [f.render() + (f" ({f.source})" if f.source and not f.key else "")
+                 for f in errors[:SHOWN_ERRORS]]
+        if len(errors) > SHOWN_ERRORS:  # a binary file had 195,000 of them
+            shown.append(f"... and {len(errors) - SHOWN_ERRORS} more line(s) that cannot be read "
+                         "(left out)")
         raise ImportEnvError(
             f"{path} has {len(errors)} line(s) that cannot be read exactly; nothing was imported",
-            "fix the lines named above, then import again",
-            details=[f.render() + (f" ({f.source})" if f.source and not f.key else "")
-                     for f in errors])
+            "fix the lines named above, then import again"
+            + (" (is it an env file at all?)" if len(errors) > SHOWN_ERRORS else ""),
+            details=shown)
     out: list[Mapping] = []
     for line in lines:
         key, value = line.key, line.value
@@ -73,6 +87,28 @@ def map_env_file(path: Path, schema: Schema | None = None) -> list[Mapping]:
                                f"not known here{f' (did you mean {guess}?)' if guess else ''}; "
                                "dropped"))
     return out
+
+
+def check_source(path: Path) -> None:
+    """The file to import exists and is one: a folder, a FIFO (which blocks the read) or a file
+    larger than any env file is refused by what it is (a folder was "does not exist")."""
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        raise ImportEnvError(f"{path} does not exist", "give the path of the earlier stack's "
+                             "env file, e.g. invoke import-env ../old-stack/.env") from None
+    except OSError as exc:
+        raise ImportEnvError(f"{path} cannot be read ({exc.strerror or exc})",
+                             "check the path and its permissions") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise ImportEnvError(f"{path} is a directory, not an env file",
+                             f"give the env file inside it, e.g. invoke import-env {path}/.env")
+    if not stat.S_ISREG(info.st_mode):
+        raise ImportEnvError(f"{path} is not a regular file (a pipe, socket or device)",
+                             "give the path of an env file")
+    if info.st_size > MAX_ENV_BYTES:
+        raise ImportEnvError(f"{path} is {info.st_size} bytes; an env file is a few kilobytes "
+                             f"(the limit here is {MAX_ENV_BYTES})", "give the path of an env file")
 
 
 def _note_for(key: str, value: str, becomes: str) -> str:
@@ -129,8 +165,8 @@ def write_profile(project: Project, name: str, source: Path, mappings: list[Mapp
     try:  # O_EXCL: an existing profile is never overwritten, not even by a racing import
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except FileExistsError:
-        message = f"{path} exists; choose another --name (nothing was overwritten)"
-        raise FileExistsError(message) from None
+        raise ProfileExistsError(f"{path} exists; nothing was overwritten",
+                                 "choose another --name (or delete the file first)") from None
     with os.fdopen(fd, "w", encoding="utf-8") as handle:
         handle.write("\n".join(body) + "\n")
     return path

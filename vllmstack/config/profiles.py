@@ -281,8 +281,7 @@ def resolve(
             names = ", ".join(available(project, kind)) or "none"
             raise ProfileError(
                 f"unknown {kind[:-1]} {name!r}: env/{kind}/{name}.env does not exist. "
-                f"Available: {names}. Choose one with {flag} NAME."
-            )
+                f"Available: {names}", f"choose one with {flag} NAME")
         refused = layer_file_problem(project.root, project.env_dir / kind / f"{name}.env")
         if refused:
             raise ProfileError(f"env/{kind}/{name}.env {refused}; it is not read",

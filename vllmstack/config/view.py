@@ -50,14 +50,27 @@ def render_config(
         if as_json:
             return json.dumps(table, indent=2)
         width = max(len(k) for k in table)
-        return "\n".join(
-            f"{k:<{width}}  {v['value']!r:<40}  {v['source']}" for k, v in table.items()
-        )
+        lines = [f"{k:<{width}}  {v['value']!r:<40}  {v['source']}" for k, v in table.items()]
+        # What the layers got wrong (an EXTENDS loop, a layer not read) explains values too.
+        problems = [f.render() for f in resolved.problems if f.severity != "info"]
+        if problems:
+            lines += ["", f"{len(problems)} problem(s) in these layers (`invoke check` lists "
+                      "every check):", *problems]
+        return "\n".join(lines)
     values = shown_values(resolved)
     if as_json:
         return json.dumps(values, indent=2)
     header = f"# platform={resolved.platform} profile={resolved.profile}"
-    return "\n".join([header, *(f"{k}={v}" for k, v in values.items())])
+    return "\n".join([header, *(f"{k}={printable(v)}" for k, v in values.items())])
+
+
+def printable(value: str) -> str:
+    """`value` with every character a terminal would act on (newline, escape sequences, bidi
+    overrides) written as its escape, so one setting is one line and shows what it holds."""
+    if value.isprintable():
+        return value
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                   for c in value)
 
 
 def render_profiles(infos: list[ProfileInfo]) -> str:

@@ -242,14 +242,63 @@ def run_probe(runner: Runner, argv: list[str], env: Mapping[str, str] | None) ->
     lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
     try:
         data = json.loads(lines[-1]) if lines else None
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested thousands deep
         data = None
     if isinstance(data, dict):
-        return data
+        problem = probe_shape_problem(data)
+        if problem is None:
+            return data
+        raise GpuCheckError(
+            f"the GPU probe answered JSON that is not its own ({problem}): {lines[-1][:300]}",
+            "something else printed on the probe's stdout (a sitecustomize, a wrapper around "
+            "python); run the probe's Python by hand, or pass --python with a clean interpreter")
     said = (result.stderr or result.stdout).strip()[-800:] or "no output"
     raise GpuCheckError(f"the GPU probe did not finish (exit {result.returncode}): {said}",
                         "a crash here (a segfault in the GPU runtime) is what the engine would hit "
                         "too; run invoke doctor, and check the driver and the device files")
+
+
+# The probe's fields and their JSON types (PROBE above); None is allowed where torch gives None.
+_TEXT, _NUMBER, _FLAG = (str, type(None)), (int, float), (bool,)
+PROBE_FIELDS: dict[str, tuple[type, ...]] = {
+    "env": (dict,), "kfd": (list,), "error": (str,), "torch": _TEXT, "cuda": _TEXT,
+    "hip": _TEXT, "available": _FLAG, "count": (int,), "init_error": (str,), "devices": (list,),
+    "kernel": (dict,)}
+DEVICE_FIELDS: dict[str, tuple[type, ...]] = {
+    "index": (int,), "name": _TEXT, "capability": _TEXT, "gfx": _TEXT, "memory": _NUMBER}
+KERNEL_FIELDS: dict[str, tuple[type, ...]] = {
+    "device": (str,), "ok": _FLAG, "max_rel_error": _NUMBER, "seconds": _NUMBER, "error": (str,)}
+
+
+def probe_shape_problem(data: Mapping[str, Any]) -> str | None:
+    """Why `data` is not what the probe prints (None: it is), so `evaluate` never meets a list
+    where it reads a count, or a number where it reads a device (a traceback, issue 22 #15)."""
+
+    def fields(where: str, obj: Mapping[str, Any], types: dict[str, tuple[type, ...]]) -> str | None:
+        for key, allowed in types.items():
+            value = obj.get(key)
+            if key in obj and (not isinstance(value, allowed) or (
+                    isinstance(value, bool) and bool not in allowed)):
+                return f"{where}{key} is {type(value).__name__}"
+        return None
+
+    problem = fields("", data, PROBE_FIELDS)
+    if problem:
+        return problem
+    count = data.get("count", 0)
+    if not 0 <= count <= 4096:
+        return f"count is {count}"
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in data.get("env", {}).items()):
+        return "env holds something other than text"
+    if not all(isinstance(gfx, str) for gfx in data.get("kfd", [])):
+        return "kfd holds something other than text"
+    for index, device in enumerate(data.get("devices", [])):
+        if not isinstance(device, dict):
+            return f"devices[{index}] is {type(device).__name__}"
+        problem = fields(f"devices[{index}].", device, DEVICE_FIELDS)
+        if problem:
+            return problem
+    return fields("kernel.", data.get("kernel", {}), KERNEL_FIELDS)
 
 
 # llama-server's --list-devices lines: "  CUDA0: NVIDIA H200 (143155 MiB, 142629 MiB free)".
