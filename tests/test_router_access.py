@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import socket
+import subprocess
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -19,6 +19,7 @@ from helpers import copy_project, free_port, write_dotenv
 from vllmstack.core import access
 from vllmstack.core.paths import Project
 from vllmstack.router import RouterError, router_state, run_router
+from vllmstack.router.record import identity
 
 
 @pytest.mark.parametrize(("host", "token", "required", "refused"), [
@@ -96,7 +97,7 @@ def test_router_state_for_the_dashboard(tmp_path: Path, health_server: str) -> N
     project = Project(tmp_path)
     assert router_state(project) is None  # no router here
     (tmp_path / "generated").mkdir()
-    record = {"pid": os.getpid(), "url": health_server, "loaded": "a", "state": "loading",
+    record = {**identity(), "url": health_server, "loaded": "a", "state": "loading",
               "swaps": [{"unloaded": None, "loaded": "a", "stop_s": 0.0, "start_s": 1.5}]}
     (tmp_path / "generated" / "router.json").write_text(json.dumps(record))
     state = router_state(project)
@@ -107,3 +108,16 @@ def test_router_state_for_the_dashboard(tmp_path: Path, health_server: str) -> N
     assert stale is not None and stale["live"] is False and stale["state"] == "loading"
     (tmp_path / "generated" / "router.json").write_text(json.dumps({**record, "pid": 2 ** 22 + 1}))
     assert router_state(project) is None  # its router is gone
+    # The pid was reused by another program (a live process, started at another time): not
+    # believed. A record without the start time (a hand-made one) is not believed either.
+    other = subprocess.Popen(["sleep", "30"])
+    try:
+        reused = {**record, "pid": other.pid}
+        (tmp_path / "generated" / "router.json").write_text(json.dumps(reused))
+        assert router_state(project) is None
+        (tmp_path / "generated" / "router.json").write_text(json.dumps(
+            {k: v for k, v in record.items() if k != "pid_start"}))
+        assert router_state(project) is None
+    finally:
+        other.kill()
+        other.wait()

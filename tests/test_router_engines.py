@@ -17,6 +17,7 @@ from vllmstack.core.errors import StackError
 from vllmstack.router import engines
 from vllmstack.router.catalog import Catalog, Entry
 from vllmstack.router.engines import EngineManager, Loaded, LoadFailedError, RouterBusyError
+from vllmstack.router.limits import Limits
 
 
 def entry(name: str, ttl: float = 0.0) -> Entry:
@@ -100,17 +101,35 @@ def test_a_swap_unloads_first_and_waits_for_the_requests_in_flight() -> None:
         await asyncio.sleep(0.2)
         assert fake.calls == [("load", "a")] and not swap.done()  # b waits for a's request
         assert manager.snapshot()["queue"] == 1
-        fast = asyncio.create_task(manager.acquire(A, 5))  # no overtaking a queued swap
+        manager.release()
+        assert await swap == "http://127.0.0.1:1/b"  # once a's request ended (and the grace)
+        assert fake.calls == [("load", "a"), ("unload", "a"), ("load", "b")]
+        last = manager.swaps[-1]
+        assert (last.unloaded, last.loaded, last.ok) == ("a", "b", True)
+        assert last.stop_s >= 0.02 and last.start_s >= 0.05
+        manager.release()
+
+    run(go)
+
+
+def test_with_no_swap_wait_requests_are_served_in_arrival_order() -> None:
+    fake = FakeLifecycle()
+
+    async def go() -> None:
+        manager = EngineManager(catalog(A, B), fake, limits=Limits(swap_wait=0))
+        await manager.acquire(A, 5)
+        swap = asyncio.create_task(manager.acquire(B, 5))
         await asyncio.sleep(0.05)
-        assert not fast.done()
+        fast = asyncio.create_task(manager.acquire(A, 5))  # no overtaking the queued swap
+        await asyncio.sleep(0.05)
+        assert not fast.done() and not swap.done()
         manager.release()
         assert await swap == "http://127.0.0.1:1/b"
-        assert fake.calls == [("load", "a"), ("unload", "a"), ("load", "b")]
         manager.release()
         assert await fast == "http://127.0.0.1:1/a"  # and back, in order
-        last = manager.swaps[-1]
-        assert (last.unloaded, last.loaded, last.ok) == ("b", "a", True)
-        assert last.stop_s >= 0.02 and last.start_s >= 0.05
+        assert fake.calls == [("load", "a"), ("unload", "a"), ("load", "b"), ("unload", "b"),
+                              ("load", "a")]
+        manager.release()
 
     run(go)
 
@@ -247,12 +266,13 @@ def test_a_swap_cuts_requests_that_outlast_the_drain_timeout() -> None:
     said: list[str] = []
 
     async def go() -> None:
-        manager = EngineManager(catalog(A, B), fake, say=said.append, drain_timeout=0.2)
+        manager = EngineManager(catalog(A, B), fake, say=said.append, drain_timeout=0.2,
+                                limits=Limits(swap_wait=0))
         await manager.acquire(A, 5)  # a stream that never ends on its own
         cuts: list[str] = []
 
-        def cut() -> None:  # what the connection's abort does: its handler ends and releases
-            cuts.append("a")
+        def cut(reason: str) -> None:  # what a request's Cut does: its handler ends and releases
+            cuts.append(reason)
             manager.unhold(cut)
             asyncio.get_running_loop().call_soon(manager.release)
 
@@ -260,7 +280,7 @@ def test_a_swap_cuts_requests_that_outlast_the_drain_timeout() -> None:
         started = time.monotonic()
         assert await manager.acquire(B, 5) == "http://127.0.0.1:1/b"
         assert 0.2 <= time.monotonic() - started < 2
-        assert cuts == ["a"]
+        assert cuts == ["the router unloads a to load b"]
         assert fake.calls == [("load", "a"), ("unload", "a"), ("load", "b")]
         assert any("still running after 0.2 s (--drain-timeout): cutting them" in s for s in said)
         manager.release()
@@ -272,9 +292,9 @@ def test_drain_timeout_zero_waits_for_ever() -> None:
     fake = FakeLifecycle()
 
     async def go() -> None:
-        manager = EngineManager(catalog(A, B), fake, drain_timeout=0)
+        manager = EngineManager(catalog(A, B), fake, drain_timeout=0, limits=Limits(swap_wait=0))
         await manager.acquire(A, 5)
-        manager.hold(lambda: pytest.fail("cut with drain_timeout 0"))
+        manager.hold(lambda reason: pytest.fail("cut with drain_timeout 0"))
         swap = asyncio.create_task(manager.acquire(B, 5))
         await asyncio.sleep(0.5)
         assert not swap.done() and fake.calls == [("load", "a")]

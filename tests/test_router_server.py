@@ -23,8 +23,10 @@ from vllmstack.config.profiles import Resolved, Setting
 from vllmstack.core.errors import StackError
 from vllmstack.router.catalog import Catalog, Entry
 from vllmstack.router.engines import EngineManager, Loaded
-from vllmstack.router.http import Connection
+from vllmstack.router.front import Front
+from vllmstack.router.limits import Limits
 from vllmstack.router.server import RouterApp
+from vllmstack.router.upstream import Upstream
 
 
 class FakeEngine:
@@ -104,22 +106,28 @@ def entry(served: str, profile: str) -> Entry:
 
 
 @contextmanager
-def router(engine_url: str, *, token: str = "", fail: str = "",
-           drain_timeout: float = 600.0) -> Iterator[str]:
-    """The router app on a free port, in a loop of its own thread."""
+def router(engine_url: str, *, token: str = "", fail: str = "", drain_timeout: float = 600.0,
+           limits: Limits | None = None) -> Iterator[str]:
+    """The router (its aiohttp front, the pooled upstream client) on a free port, in a loop of
+    its own thread."""
     catalog = Catalog("cpu", {"served": entry("served", "prof"), "bad": entry("bad", "bad")},
                       {"prof": "served"})
+    limits = limits or Limits()
     port, started = free_port(), threading.Event()
     loop = asyncio.new_event_loop()
     stop = loop.create_future()
 
     async def main() -> None:
-        manager = EngineManager(catalog, FakeLifecycle(engine_url, fail), drain_timeout=drain_timeout)
-        app = RouterApp(catalog, manager, token=token, exposed_on="127.0.0.1", load_timeout=10)
-        server = await loop.create_server(lambda: Connection(app.handle, set()), "127.0.0.1", port)
+        upstream = Upstream(limits)
+        manager = EngineManager(catalog, FakeLifecycle(engine_url, fail), drain_timeout=drain_timeout,
+                                limits=limits, probe=upstream.probe)
+        app = RouterApp(catalog, manager, upstream, token=token, exposed_on="127.0.0.1",
+                        load_timeout=10, limits=limits)
+        server = await loop.create_server(Front(app.handle, limits), "127.0.0.1", port)
         started.set()
         await stop
         server.close()
+        await upstream.close()
 
     thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
     thread.start()
@@ -186,14 +194,15 @@ def test_a_profile_name_reaches_the_engine_as_its_served_name(routed: str, engin
     assert answer.status_code == 200 and answer.json()["model"] == "served"
     body, headers = engine.seen[-1]
     assert body == {"model": "served", "prompt": "x"}
-    assert headers["connection"] == "close" and headers["host"] == engine.url.removeprefix("http://")
+    assert headers["host"] == engine.url.removeprefix("http://")
+    assert "connection" not in headers  # kept alive for the next request (HTTP/1.1's default)
 
 
 def test_a_stream_passes_through_byte_for_byte_as_it_comes(routed: str) -> None:
     with raw(routed, post_bytes("/v1/chat/completions", {"model": "served", "stream": True})) as sock:
         data, times = read_until(sock, lambda d: d.endswith(b"0\r\n\r\n"))
     head, _, body = data.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 200 ") and b"transfer-encoding: chunked" in head
+    assert head.startswith(b"HTTP/1.1 200 ") and b"transfer-encoding: chunked" in head.lower()
     assert b"connection" not in head.lower()  # the engine's "close" is not the client's
     events = b"".join(f"{len(e):x}\r\n".encode() + e + b"\r\n" for e in
                       (f"data: {{\"i\": {i}}}\n\n".encode() for i in range(3)))

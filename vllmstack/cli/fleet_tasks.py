@@ -11,7 +11,7 @@ from invoke.context import Context
 
 from vllmstack.cli.common import JSON_HELP, Opt, Sets, print_json, project_here
 from vllmstack.cli.task import exit_with, stack_task
-from vllmstack.cli.values import ENGINE_PROFILE
+from vllmstack.cli.values import ENGINE_PROFILE, PATH
 from vllmstack.core.errors import StackError
 
 
@@ -73,23 +73,29 @@ def burn(c: Context, profiles: Opt = None, runs: int = 5, warmup: int = 2, max_t
     exit_with(1 if result.failed else 0)
 
 
-@stack_task(help={**FLEET_HELP,
-                  "host": "address to listen on (default 127.0.0.1; beyond loopback a token is required)",
-                  "port": "port to listen on (default 8080)",
-                  "ttl": "unload a model after this many idle seconds (0: never; default: IDLE_TTL)",
-                  "profiles": "comma-separated profiles to offer (default: every one made for the platform)",
-                  "token": "bearer token clients must send (default: ROUTER_TOKEN)",
-                  "load_timeout": "seconds a request waits for its model to load",
-                  "drain_timeout": "seconds a swap waits for the old model's requests before it "
-                                   "cuts them (0: for ever; default 600)"})
+@stack_task(values={"token_file": PATH}, help={
+    **FLEET_HELP,
+    "host": "address to listen on (default 127.0.0.1; beyond loopback a token is required)",
+    "port": "port to listen on (default 8080)",
+    "ttl": "unload a model after this many idle seconds (0: never; default: IDLE_TTL)",
+    "profiles": "comma-separated profiles to offer (default: every one made for the platform)",
+    "token_file": "a file holding the bearer token clients must send (default: ROUTER_TOKEN "
+                  "from the environment or .env; never on the command line, where ps shows it)",
+    "load_timeout": "seconds a request waits for its model to load",
+    "drain_timeout": "seconds a swap waits for the old model's requests before it "
+                     "cuts them (0: for ever; default 600)"})
 def router(c: Context, host: str = "127.0.0.1", port: int = 8080, platform: Opt = None,
-           ttl: float | None = None, profiles: Opt = None, token: Opt = None,
+           ttl: float | None = None, profiles: Opt = None, token_file: Opt = None,
            runtime: Opt = None, load_timeout: float | None = None,
            drain_timeout: float | None = None) -> None:
     """One OpenAI endpoint for every profile: loads the model a request names, one at a time."""
+    from vllmstack.router.options import TOKEN_VAR
     from vllmstack.router.service import run_router
 
     chosen = [p.strip() for p in (profiles or "").split(",") if p.strip()]
-    exit_with(run_router(project_here(), os.environ, host=host, port=port, platform=platform,
-                         ttl=ttl, profiles=chosen, token=token, runtime=runtime,
+    environ = dict(os.environ)
+    # Read once, then out of this process's environment: nothing the router starts inherits it.
+    os.environ.pop(TOKEN_VAR, None)
+    exit_with(run_router(project_here(), environ, host=host, port=port, platform=platform,
+                         ttl=ttl, profiles=chosen, token_file=token_file, runtime=runtime,
                          load_timeout=load_timeout, drain_timeout=drain_timeout))

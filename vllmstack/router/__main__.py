@@ -1,8 +1,11 @@
-"""`python -m vllmstack.router [--host H] [--port P] [--platform P] [--ttl S] [--profiles a,b]`.
+"""`python -m vllmstack.router [--host H] [--port P] [--platform P] [--ttl S] [--profiles a,b]
+[--load-timeout S] [--drain-timeout S] [--token-file FILE]`.
 
 `invoke router` and this entry point both end in `run_router`; this one serves a checkout
-without invoke (a systemd unit, the tests, the benchmark). The token is read from the
-environment (ROUTER_TOKEN), never from the command line, where `ps` would show it.
+without invoke (a systemd unit, the tests, the benchmark). Values arrive as text and are checked
+by run_router (error: / fix:, exit 1). The token is read from the environment (ROUTER_TOKEN) or
+a file, never from the command line, where `ps` would show it; it is then taken out of this
+process's environment, so nothing the router starts inherits it.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from pathlib import Path
 
 from vllmstack.core.errors import StackError
 from vllmstack.core.paths import Project
+from vllmstack.router.options import TOKEN_VAR
 from vllmstack.router.service import DEFAULT_HOST, DEFAULT_PORT, run_router
 
 
@@ -25,23 +29,31 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--project", type=Path, default=None,
                         help="the checkout (default: found from the working folder)")
     parser.add_argument("--host", default=DEFAULT_HOST, help=f"address (default {DEFAULT_HOST})")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    parser.add_argument("--port", default=str(DEFAULT_PORT), help=f"port (default {DEFAULT_PORT})")
     parser.add_argument("--platform", default=None, help="platform (default: PLATFORM of .env)")
-    parser.add_argument("--ttl", type=float, default=None,
+    parser.add_argument("--ttl", default=None,
                         help="idle seconds before the resident model is unloaded, for every "
                              "profile (default: each profile's IDLE_TTL; 0 = never)")
     parser.add_argument("--profiles", default="",
                         help="comma-separated model profiles (default: every one made for the platform)")
     parser.add_argument("--runtime", default=None, help="compose or native (default: RUNTIME)")
-    parser.add_argument("--load-timeout", type=float, default=None,
+    parser.add_argument("--load-timeout", default=None,
                         help="seconds a request waits for its model (default: UP_TIMEOUT + 120)")
+    parser.add_argument("--drain-timeout", default=None,
+                        help="seconds a swap waits for the old model's requests before it cuts "
+                             "them (0: for ever; default 600)")
+    parser.add_argument("--token-file", default=None,
+                        help=f"a file holding the token clients must send (default: {TOKEN_VAR})")
     args = parser.parse_args(list(argv))
-    project = Project(args.project.resolve()) if args.project else Project.find()
+    environ = dict(os.environ)
+    os.environ.pop(TOKEN_VAR, None)
     try:
-        return run_router(project, os.environ, host=args.host, port=args.port,
+        project = Project(args.project.resolve()) if args.project else Project.find()
+        return run_router(project, environ, host=args.host, port=args.port,
                           platform=args.platform, ttl=args.ttl,
                           profiles=[p.strip() for p in args.profiles.split(",") if p.strip()],
-                          runtime=args.runtime, load_timeout=args.load_timeout)
+                          runtime=args.runtime, load_timeout=args.load_timeout,
+                          drain_timeout=args.drain_timeout, token_file=args.token_file)
     except StackError as exc:
         print(exc.render(), file=sys.stderr)
         return 1

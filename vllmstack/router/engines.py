@@ -1,32 +1,61 @@
-"""The resident engine: one at a time, loaded on demand, unloaded when idle.
+"""The resident engine: one at a time, loaded on demand, unloaded when idle, watched while idle.
 
 A load is `invoke up` for that profile (serve.lifecycle.up: checks, guards, boot watch, crash
 diagnosis, warm-up); an unload is `invoke down` (which waits until the GPU memory is released),
 so a swap never has two engines resident. Both block, so they run in a worker thread while the
-event loop keeps serving.
+event loop keeps serving. Nothing here speaks HTTP: the HTTP layer (server, upstream) asks for
+an engine with acquire/release, reports how each forward went, and hands in `probe` (the
+engine's /health) and a `cut` per request.
 
-Scheduling: a request for the resident, ready model goes straight through unless a swap is
-queued. Every other request queues on one FIFO lock; its holder starts the switch as a task of
-its own, so a request that gives up (its load timeout, or its client left) never cancels a load
-half way. A swap first waits for the requests still streaming from the old engine. A load that
-fails leaves the model `failed` with the diagnosis (the StackError's cause and fix); the waiting
-requests get it, and the next request for that model tries again.
+Scheduling, resident first within a bound: a request for the resident, ready model is served at
+once, even while requests for other models wait, until the oldest of those has waited
+ROUTER_SWAP_WAIT (the swap is due: requests for the resident then queue behind it) or the
+resident has had no request for ROUTER_SWAP_GRACE. Then the swap to the oldest waiter's model
+starts, as a task of its own (a request that gives up, its load timeout or its client gone,
+never cancels a load half way): it waits for the requests still running on the old engine (cut
+after the drain timeout, each ending with an error event), unloads, loads. A load that fails
+leaves the model `failed` with the diagnosis (the StackError's cause and fix); the requests that
+waited for it get it, and the next request for that model tries again.
+
+Health: an idle resident engine's /health is checked every ROUTER_HEALTH_INTERVAL in the
+background, and before a request is forwarded after such a pause, so a dead engine is loaded
+again instead of answering 502. A run of ROUTER_ERROR_RUN answers of 500 or above marks it
+failed (checked, then loaded again); a forward that got no usable answer is followed by a
+probe, and only an engine that fails it is loaded again (one malformed answer is not a dead
+engine).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
 
 from vllmstack.core.errors import StackError
 from vllmstack.router.catalog import Catalog, Entry
+from vllmstack.router.limits import Limits
+from vllmstack.router.states import (
+    FAILED,
+    LOADING,
+    READY,
+    UNLOADED,
+    UNLOADING,
+    Lifecycle,
+    Loaded,
+    LoadFailedError,
+    ModelStatus,
+    RouterBusyError,
+    Swap,
+)
 
-UNLOADED, LOADING, READY, FAILED, UNLOADING = "unloaded", "loading", "ready", "failed", "unloading"
+__all__ = ["DRAIN_TIMEOUT_S", "EngineManager", "Lifecycle", "LoadFailedError", "Loaded",
+           "RouterBusyError"]
+
 RECENT_SWAPS = 20
 IDLE_POLL_S = 0.5
 # A swap waits this long for the old model's requests before it cuts them: long enough for any
@@ -34,68 +63,18 @@ IDLE_POLL_S = 0.5
 DRAIN_TIMEOUT_S = 600.0
 
 
-class RouterBusyError(StackError):
-    """A request waited longer than its load timeout for its model."""
+Probe = Callable[[str], Coroutine[Any, Any, bool]]  # whether the engine at a URL answers /health
+Cut = Callable[[str], None]  # end one request in flight now, saying why
 
 
-class LoadFailedError(StackError):
-    """The model could not be loaded; cause and fix are the diagnosis."""
+@dataclass(eq=False)
+class Waiter:
+    """A request queued for its model: its future gets the engine's URL once granted."""
 
-
-@dataclass(frozen=True)
-class Loaded:
-    """A load's outcome: where the engine answers, and how long its boot and warm-up took."""
-
-    url: str
-    boot_s: float = 0.0  # start to /health 200 (the engine's own start)
-    warmup_s: float = 0.0
-
-
-class Lifecycle(Protocol):
-    """How the manager loads and unloads (serve.lifecycle for real; a fake in unit tests).
-    Every method blocks and is called from a worker thread."""
-
-    def load(self, entry: Entry) -> Loaded:
-        """Start the engine (as `invoke up`); once healthy and warm. StackError on failure."""
-
-    def unload(self, entry: Entry) -> None:
-        """Stop it (as `invoke down`), returning once its memory is released."""
-
-    def abort(self, entry: Entry) -> None:
-        """Cut a boot short (the router is stopping): the load then fails at once."""
-
-    def adoptable(self, catalog: Catalog) -> Entry | None:
-        """A healthy engine of one of the catalog's profiles that is already running."""
-
-
-@dataclass
-class ModelStatus:
-    state: str = UNLOADED
-    error: dict[str, str] | None = None  # {"cause", "fix"} of the last failure
-    since: float = field(default_factory=time.time)
-
-
-@dataclass
-class Swap:
-    """One switch: the old engine's stop time, the new one's start, and the whole."""
-
-    unloaded: str | None
-    loaded: str | None
-    stop_s: float
-    start_s: float
-    total_s: float
-    ok: bool
-    reason: str  # "request", "unload", "idle"
-    at: float = field(default_factory=time.time)
-    error: str | None = None
-    boot_s: float = 0.0  # of start_s: the engine's boot to /health 200
-    warmup_s: float = 0.0  # of start_s: the warm-up request
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"unloaded": self.unloaded, "loaded": self.loaded, "stop_s": round(self.stop_s, 3),
-                "start_s": round(self.start_s, 3), "boot_s": round(self.boot_s, 3),
-                "warmup_s": round(self.warmup_s, 3), "total_s": round(self.total_s, 3),
-                "ok": self.ok, "reason": self.reason, "at": self.at, "error": self.error}
+    entry: Entry
+    arrived: float
+    seen: int  # failed loads of its model that had finished when it arrived
+    granted: asyncio.Future[str]
 
 
 class EngineManager:
@@ -105,12 +84,15 @@ class EngineManager:
                  say: Callable[[str], None] = lambda line: None,
                  on_change: Callable[[], None] = lambda: None,
                  clock: Callable[[], float] = time.monotonic,
-                 drain_timeout: float = DRAIN_TIMEOUT_S) -> None:
+                 drain_timeout: float = DRAIN_TIMEOUT_S, limits: Limits | None = None,
+                 probe: Probe | None = None) -> None:
         self.catalog = catalog
         # How long a swap or an unload waits for the requests on the old model (0: for ever);
         # then it cuts them, so one stream that never ends cannot hold every other model off.
         self.drain_timeout = drain_timeout
-        self._holders: set[Callable[[], None]] = set()  # cut() of each request in flight
+        self.limits = limits or Limits()
+        self.probe = probe
+        self._holders: set[Cut] = set()  # cut() of each request in flight
         self.lifecycle = lifecycle
         self.say = say
         self.on_change = on_change
@@ -121,21 +103,45 @@ class EngineManager:
         self.adopted = False
         self.swaps: deque[Swap] = deque(maxlen=RECENT_SWAPS)
         self.inflight = 0
-        self.waiting = 0
         self.last_used = clock()
         self.closing = False
-        self._lock = asyncio.Lock()
+        self._queue: list[Waiter] = []
         self._drained = asyncio.Event()
         self._drained.set()
         self._task: asyncio.Task[None] | None = None  # the switch under way (load/unload)
+        self._timer: asyncio.TimerHandle | None = None  # when a held-back swap is looked at again
         # Finished loads per model: a request that saw one end in failure while it waited gets
         # that failure; only a request arriving after it tries again.
         self._attempts: dict[str, int] = {}
+        self._last_ok = clock()  # the engine's last answer (a forward's or a probe's)
+        self._errors = 0  # its answers of 500 or above in a row
+        self._probing: asyncio.Task[bool] | None = None
 
     # --- state --------------------------------------------------------------------------------
 
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
+
     def ready(self, entry: Entry) -> bool:
         return self.resident is entry and self.status[entry.id].state == READY
+
+    def switching(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def _due(self, arrived: float) -> bool:
+        """A request for another model that came before `arrived` has waited its bound: requests
+        for the resident arriving after it queue behind it."""
+        now = self.clock()
+        return any(not self.ready(w.entry) and w.arrived <= arrived
+                   and now - w.arrived >= self.limits.swap_wait for w in self._queue)
+
+    def servable(self, entry: Entry, arrived: float | None = None) -> bool:
+        return (self.ready(entry) and not self.closing and not self.switching()
+                and not self._due(self.clock() if arrived is None else arrived))
+
+    def _failed_since(self, waiter: Waiter) -> bool:
+        return self._attempts.get(waiter.entry.id, 0) > waiter.seen
 
     def _set(self, entry: Entry, state: str, error: StackError | None = None) -> None:
         status = self.status[entry.id]
@@ -166,7 +172,7 @@ class EngineManager:
         entry = await asyncio.to_thread(self.lifecycle.adoptable, self.catalog)
         if entry is not None:
             self.resident, self.url, self.adopted = entry, entry.url, True
-            self.last_used = self.clock()
+            self.last_used = self._last_ok = self.clock()
             self._set(entry, READY)
             self.say(f"adopted the running engine of profile {entry.profile} ({entry.id}) at {entry.url}")
         return entry
@@ -177,43 +183,26 @@ class EngineManager:
         """Wait until `entry` is the resident, ready model (loading it if needed) and count the
         caller as one request on it; its URL. Pair with release(). RouterBusyError after
         `timeout` seconds, LoadFailedError when the load failed."""
-        if self.ready(entry) and not self._lock.locked() and not self.closing:
+        if self.servable(entry) and await self._fresh(entry) and self.servable(entry):
             return self._grant()
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        seen = self._attempts.get(entry.id, 0)
-        self.waiting += 1  # until granted or refused: what the dashboard shows as the queue
+        waiter = Waiter(entry, self.clock(), self._attempts.get(entry.id, 0), loop.create_future())
+        self._queue.append(waiter)  # until granted or refused: what the dashboard shows as the queue
+        self._schedule()
         try:
-            try:
-                await asyncio.wait_for(self._lock.acquire(), timeout)
-            except TimeoutError:
+            return await asyncio.wait_for(asyncio.shield(waiter.granted), timeout)
+        except BaseException as exc:
+            if waiter.granted.done() and not waiter.granted.cancelled() \
+                    and waiter.granted.exception() is None:
+                self.release()  # granted just as it gave up (its client left, its timeout)
+            waiter.granted.cancel()
+            if isinstance(exc, TimeoutError):
                 raise self._busy(entry, timeout) from None
-            try:
-                return await self._turn(entry, seen, deadline, timeout)
-            finally:
-                self._lock.release()
+            raise
         finally:
-            self.waiting -= 1
-
-    async def _turn(self, entry: Entry, seen: int, deadline: float, timeout: float) -> str:
-        """Holding the lock: wait for the switch under way, start ours if needed, then grant."""
-        loop = asyncio.get_running_loop()
-        while True:
-            if self.closing:
-                raise LoadFailedError("the router is stopping",
-                                      "send the request again once the router runs")
-            if self._task is not None and not self._task.done():
-                try:
-                    await asyncio.wait_for(asyncio.shield(self._task), deadline - loop.time())
-                except TimeoutError:
-                    raise self._busy(entry, timeout) from None
-            if self.ready(entry):
-                return self._grant()
-            if self._attempts.get(entry.id, 0) > seen:
-                error = self.status[entry.id].error or {}
-                raise LoadFailedError(error.get("cause", f"{entry.id} did not load"),
-                                      error.get("fix") or None)
-            self._start(self._switch(entry, "request"))
+            if waiter in self._queue:
+                self._queue.remove(waiter)
+                self._schedule()
 
     def _grant(self) -> str:
         self.inflight += 1
@@ -222,14 +211,65 @@ class EngineManager:
         assert self.url is not None
         return self.url
 
-    def hold(self, cut: Callable[[], None]) -> None:
-        """Register how to cut a granted request short (its client connection's abort)."""
+    def release(self) -> None:
+        self.inflight -= 1
+        self.last_used = self.clock()
+        if self.inflight == 0:
+            self._drained.set()
+            if self._queue:
+                self._schedule()  # a swap held back for the resident's requests may go now
+
+    def hold(self, cut: Cut) -> None:
+        """Register how to cut a granted request short (its stream ends with an error)."""
         self._holders.add(cut)
 
-    def unhold(self, cut: Callable[[], None]) -> None:
+    def unhold(self, cut: Cut) -> None:
         self._holders.discard(cut)
 
-    async def _drain(self, old: Entry) -> None:
+    def cut_all(self, reason: str) -> int:
+        """Cut every request in flight now; how many."""
+        holders = list(self._holders)
+        for cut in holders:
+            cut(reason)
+        return len(holders)
+
+    def _schedule(self) -> None:
+        """Grant the waiters that can go (or give them their failure); start the swap the
+        queue needs, or look again when the resident's bound or grace is up."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        for waiter in list(self._queue):
+            if waiter.granted.done():
+                self._queue.remove(waiter)
+            elif self.closing:
+                waiter.granted.set_exception(LoadFailedError(
+                    "the router is stopping", "send the request again once the router runs"))
+            elif self._failed_since(waiter):
+                error = self.status[waiter.entry.id].error or {}
+                waiter.granted.set_exception(LoadFailedError(
+                    error.get("cause", f"{waiter.entry.id} did not load"), error.get("fix") or None))
+            elif self.servable(waiter.entry, waiter.arrived):
+                waiter.granted.set_result(self._grant())
+            else:
+                continue
+            if waiter in self._queue:
+                self._queue.remove(waiter)
+        if self.closing or self.switching() or not self._queue:
+            return  # a switch's end schedules again
+        oldest = min(self._queue, key=lambda w: w.arrived)
+        resident = self.resident
+        if resident is not None and self.ready(resident):
+            now = self.clock()
+            due = oldest.arrived + self.limits.swap_wait
+            idle = self.last_used + self.limits.swap_grace if self.inflight == 0 else math.inf
+            if now < min(due, idle):
+                self._timer = asyncio.get_running_loop().call_later(min(due, idle) - now,
+                                                                    self._schedule)
+                return
+        self._start(self._switch(oldest.entry, "request"))
+
+    async def _drain(self, old: Entry, why: str) -> None:
         """Wait for the requests on `old` to finish; past drain_timeout, cut them."""
         if not self.inflight:
             return
@@ -239,15 +279,8 @@ class EngineManager:
         except TimeoutError:
             self.say(f"{self.inflight} request(s) on {old.id} still running after "
                      f"{self.drain_timeout:g} s (--drain-timeout): cutting them")
-            for cut in list(self._holders):
-                cut()
+            self.cut_all(why)
             await self._drained.wait()
-
-    def release(self) -> None:
-        self.inflight -= 1
-        self.last_used = self.clock()
-        if self.inflight == 0:
-            self._drained.set()
 
     def _busy(self, entry: Entry, timeout: float) -> RouterBusyError:
         doing = self.status[self.resident.id].state if self.resident else "idle"
@@ -256,15 +289,66 @@ class EngineManager:
             f"{doing}{' ' + self.resident.id if self.resident else ''} with {self.waiting} request(s) "
             "queued", "send the request again later (the load goes on), or raise the load timeout")
 
+    # --- the engine's health --------------------------------------------------------------------
+
     def engine_gone(self, entry: Entry, why: str) -> None:
-        """A forward found the resident engine not answering: it crashed after it was ready.
-        The next request unloads what is left of it and loads it again."""
+        """The resident engine stopped answering after it was ready (it crashed, or answers only
+        errors): the next request unloads what is left of it and loads it again."""
         if self.resident is entry and self.status[entry.id].state == READY:
             self.say(f"{entry.id}: the engine at {self.url} stopped answering ({why})")
             self._set(entry, FAILED, StackError(
                 f"the engine of {entry.id} stopped answering at {self.url} ({why})",
                 f"see its log (invoke logs, or generated/router/{entry.profile}.log); the next "
                 "request loads it again"))
+            self._schedule()
+
+    async def _check(self, entry: Entry, when: str) -> bool:
+        """Probe the resident engine (one probe at a time, shared); False (and marked gone) when
+        its /health does not answer 200."""
+        if self.probe is None or self.url is None:
+            return True
+        if self._probing is None or self._probing.done():
+            self._probing = asyncio.get_running_loop().create_task(self.probe(self.url))
+        ok = await asyncio.shield(self._probing)
+        if ok:
+            self._last_ok = self.clock()
+        else:
+            self.engine_gone(entry, f"its /health did not answer {when}")
+        return ok
+
+    async def _fresh(self, entry: Entry) -> bool:
+        """Before a request is forwarded after the engine was quiet for the health interval."""
+        if self.inflight or self.clock() - self._last_ok < self.limits.health_interval:
+            return True
+        return await self._check(entry, "after a pause")
+
+    def answered(self, entry: Entry, status: int) -> None:
+        """A forward got an answer with `status`: a run of errors gets the engine reloaded."""
+        self._last_ok = self.clock()
+        if status < 500:
+            self._errors = 0
+            return
+        self._errors += 1
+        if self._errors >= self.limits.error_run and self.ready(entry):
+            self._errors = 0
+            run = f"{self.limits.error_run} answers of 500 or above in a row (ROUTER_ERROR_RUN)"
+            asyncio.get_running_loop().create_task(self._reload_after(entry, run))
+
+    async def _reload_after(self, entry: Entry, run: str) -> None:
+        healthy = await self.probe(self.url) if self.probe and self.url else False
+        self.engine_gone(entry, f"{run}; its /health {'answers 200' if healthy else 'does not answer'}")
+
+    async def upstream_failed(self, entry: Entry, why: str) -> bool:
+        """A forward got no usable answer; whether the engine is gone (then loaded again by the
+        next request). One that still answers /health stays: one bad answer is not a crash."""
+        self._errors += 1
+        if not self.ready(entry):
+            return True
+        if self.probe is not None and self.url is not None and await self.probe(self.url):
+            self.say(f"{entry.id}: one forward failed ({why}); the engine answers /health, kept")
+            return False
+        self.engine_gone(entry, why)
+        return True
 
     # --- the lifecycle API --------------------------------------------------------------------
 
@@ -274,25 +358,27 @@ class EngineManager:
 
     async def unload(self, timeout: float, reason: str = "unload") -> Entry | None:
         """Unload the resident model (after its requests finish); what was unloaded."""
-        try:
-            await asyncio.wait_for(self._lock.acquire(), timeout)
-        except TimeoutError:
-            raise RouterBusyError(f"the router is busy loading; nothing was unloaded within "
-                                  f"{timeout:.0f} s", "try again once the load is done") from None
-        try:
-            if self._task is not None and not self._task.done():
-                await asyncio.shield(self._task)
-            resident = self.resident
-            if resident is not None:
-                self._start(self._switch(None, reason))
-                assert self._task is not None
-                await asyncio.shield(self._task)
-            return resident
-        finally:
-            self._lock.release()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.switching():  # a switch the queue started meanwhile: wait for it too
+            assert self._task is not None
+            try:
+                await asyncio.wait_for(asyncio.shield(self._task), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                raise RouterBusyError(f"the router is busy loading; nothing was unloaded within "
+                                      f"{timeout:.0f} s", "try again once the load is done") from None
+        resident = self.resident
+        if resident is None:
+            return None
+        task = self._start(self._switch(None, reason))
+        await asyncio.shield(task)
+        return resident
 
-    def _start(self, coro: Any) -> None:
-        self._task = asyncio.get_running_loop().create_task(coro)
+    def _start(self, coro: Any) -> asyncio.Task[None]:
+        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)
+        task.add_done_callback(lambda _: self._schedule())
+        self._task = task
+        return task
 
     async def _switch(self, entry: Entry | None, reason: str) -> None:
         """Unload the resident (after its requests drain), then load `entry` (None: only unload)."""
@@ -300,7 +386,8 @@ class EngineManager:
         stop_s = start_s = 0.0
         try:
             if old is not None:
-                await self._drain(old)
+                await self._drain(old, f"the router unloads {old.id}"
+                                       + (f" to load {entry.id}" if entry else f" ({reason})"))
                 self._set(old, UNLOADING)
                 self.say(f"unloading {old.id} ({old.profile})")
                 try:
@@ -325,6 +412,7 @@ class EngineManager:
             finally:
                 start_s = self.clock() - began
             self.url, self.last_used = loaded.url, self.clock()
+            self._last_ok, self._errors = self.clock(), 0
             self._set(entry, READY)
             self.say(f"{entry.id} is ready at {loaded.url} (start {start_s:.1f} s, stop of the "
                      f"previous {stop_s:.1f} s)")
@@ -347,29 +435,29 @@ class EngineManager:
         finally:
             self.on_change()
 
-    # --- idle unload and stop -----------------------------------------------------------------
+    # --- idle unload, health watch and stop -----------------------------------------------------
 
     async def idle_loop(self) -> None:
-        """Unload the resident model once it has had no request for its TTL (0: never). The
-        clock starts when it is ready and restarts at every request's start and end, so a long
-        load or a long stream is never cut by it."""
+        """Unload the resident model once it has had no request for its TTL (0: never), and
+        probe an idle engine every health interval. The TTL clock starts when it is ready and
+        restarts at every request's start and end, so a long load or stream is never cut by it."""
         while True:
             await asyncio.sleep(IDLE_POLL_S)
             entry = self.resident
-            if (entry is None or not entry.ttl or not self.ready(entry) or self.inflight
-                    or self._lock.locked() or self.clock() - self.last_used < entry.ttl):
+            if (entry is None or not self.ready(entry) or self.inflight or self.switching()
+                    or self._queue):
                 continue
-            async with self._lock:
-                if (self.ready(entry) and not self.inflight
-                        and self.clock() - self.last_used >= entry.ttl):
-                    self.say(f"{entry.id} idle for {entry.ttl:g} s: unloading")
-                    self._start(self._switch(None, "idle"))
-                    assert self._task is not None
-                    await asyncio.shield(self._task)
+            if entry.ttl and self.clock() - self.last_used >= entry.ttl:
+                self.say(f"{entry.id} idle for {entry.ttl:g} s: unloading")
+                await asyncio.shield(self._start(self._switch(None, "idle")))
+            elif self.probe is not None and \
+                    self.clock() - self._last_ok >= self.limits.health_interval:
+                await self._check(entry, "while idle")
 
     async def shutdown(self) -> None:
         """Stop the engine the router started or adopted (a boot in progress is cut short)."""
         self.closing = True
+        self._schedule()  # every waiter learns the router is stopping
         task = self._task
         if task is not None and not task.done():
             loading = self.resident

@@ -1,22 +1,62 @@
-"""generated/router.json: what the running router serves, for the dashboard and for people.
+"""generated/router.json and generated/router.lock: which router serves this checkout.
 
-The router rewrites it at every state change (a load, a ready engine, an unload, a failure)
-and removes it when it stops. Between changes the live numbers (queue, in-flight requests) come
-from the router itself: `router_state` asks its /v1/health when it runs.
+One router per checkout: the router holds flock(2) on generated/router.lock for its whole life
+(the kernel drops it however the router ends, so a killed router leaves no stale lock). A second
+router is refused at start, naming the first; without the lock, two routers adopted each other's
+engine and swapped under each other. (It is not `up`'s stack.lock: the router's loads take that
+one from worker threads for every `up` and `down`.)
+
+router.json says what the running router serves, for the dashboard and for people. The router
+rewrites it at every state change and removes it when it stops (only its own: the pid and start
+time in it must be this process's). A record is believed only while the process it names is
+that router: same pid, same start time (clock ticks after boot) and same boot, so a pid that a
+later program reused is not taken for the router. Between changes the live numbers (queue,
+in-flight requests) come from the router itself: `router_state` asks its /v1/health.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import requests
 
+from vllmstack.core.errors import StackError
 from vllmstack.core.files import write_json
 from vllmstack.core.paths import Project
+from vllmstack.runtime.native.procs import ProcTable
 
 ROUTER_FILE = "router.json"
+LOCK_FILE = "router.lock"
+
+
+class RouterLockError(StackError):
+    """Another router serves this checkout."""
+
+
+def identity(pid: int | None = None, procs: ProcTable | None = None) -> dict[str, Any]:
+    """What tells this process from a later one with the same pid."""
+    procs = procs or ProcTable()
+    pid = os.getpid() if pid is None else pid
+    proc = procs.get(pid)
+    return {"pid": pid, "pid_start": proc.start_ticks if proc else None, "boot_id": procs.boot_id()}
+
+
+def is_running(record: dict[str, Any], procs: ProcTable | None = None) -> bool:
+    """Whether the router the record names still runs (not merely a process with its pid)."""
+    pid = record.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return False
+    procs = procs or ProcTable()
+    proc = procs.get(pid)
+    if proc is None or proc.zombie:
+        return False
+    return (record.get("pid_start") == proc.start_ticks
+            and record.get("boot_id") == procs.boot_id())
 
 
 def write_record(project: Project, data: dict[str, Any]) -> None:
@@ -24,28 +64,45 @@ def write_record(project: Project, data: dict[str, Any]) -> None:
     write_json(project.generated / ROUTER_FILE, data)
 
 
-def remove_record(project: Project) -> None:
-    (project.generated / ROUTER_FILE).unlink(missing_ok=True)
+def remove_record(project: Project, own: dict[str, Any]) -> None:
+    """Remove router.json when it is this router's (`own`: its identity)."""
+    record = read_record(project)
+    if record is not None and all(record.get(k) == v for k, v in own.items()):
+        (project.generated / ROUTER_FILE).unlink(missing_ok=True)
 
 
 def read_record(project: Project) -> dict[str, Any] | None:
     try:
-        data = json.loads((project.generated / ROUTER_FILE).read_text(encoding="utf-8"))
+        with (project.generated / ROUTER_FILE).open("rb") as handle:
+            data = json.loads(handle.read(1 << 20))
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
 
 
-def _alive(pid: Any) -> bool:
-    if not isinstance(pid, int) or pid <= 0:
-        return False
+@contextlib.contextmanager
+def router_lock(project: Project) -> Iterator[None]:
+    """Hold this checkout's router lock; RouterLockError when another router holds it."""
+    project.generated.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = project.generated / LOCK_FILE
+    # Never replaced or deleted: a new inode would let a second router lock "the same" file.
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            record = read_record(project) or {}
+            who = (f"pid {record.get('pid')}, {record.get('url')}"
+                   if is_running(record) else "its record is not written yet")
+            raise RouterLockError(
+                f"another router already serves this checkout ({who}; it holds {path})",
+                "use that router, or stop it first (Ctrl-C in its terminal, or kill its pid); "
+                "a second one would swap engines under the first") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(identity()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
 
 
 def router_state(project: Project, *, timeout: float = 1.0) -> dict[str, Any] | None:
@@ -54,7 +111,7 @@ def router_state(project: Project, *, timeout: float = 1.0) -> dict[str, Any] | 
     start seconds), with `live` True and the current queue and in-flight counts when its
     /v1/health answered within `timeout`."""
     record = read_record(project)
-    if record is None or not _alive(record.get("pid")):
+    if record is None or not is_running(record):
         return None
     state = dict(record)
     state["live"] = False

@@ -10,75 +10,159 @@
     POST /v1/load, /v1/unload   {"model": ID} or {"model_name": ID}; unload without a model
                                 unloads whatever is resident
 
+Nothing else is routed: every other path is 404, whatever the engine would answer there (its
+dev-mode endpoints /sleep, /wake_up, /collective_rpc, /reset_prefix_cache among them). Paths are
+matched as sent, not decoded, and a forward goes to the route's own path.
+
 POSTs change state (a load can evict another model), so they follow the dashboard's rule
 (core.access): beyond loopback, or with a token set, `Authorization: Bearer TOKEN` is required;
-on loopback without a token, a browser request must come from a loopback origin.
+on loopback without a token, a browser request must come from a loopback origin. The check
+comes before the body is read.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
 from typing import Any
-from urllib.parse import urlsplit
+
+import aiohttp
+from aiohttp import http_exceptions, web
+from aiohttp.web_protocol import RequestPayloadError
 
 from vllmstack.core import access
 from vllmstack.router.catalog import Catalog, Entry
 from vllmstack.router.engines import EngineManager, LoadFailedError, RouterBusyError
-from vllmstack.router.http import Connection, Request, UpstreamError, error_body
-from vllmstack.router.relay import RelayPool, forward
+from vllmstack.router.limits import BodyError, Limits, error_body, parse_body, shown_name
 from vllmstack.router.stacks import DOWN_TIMEOUT_S
+from vllmstack.router.upstream import (
+    Cut,
+    Upstream,
+    UpstreamError,
+    relay,
+    request_headers,
+    response_headers,
+)
 
 GENERATION = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+LIFECYCLE = frozenset({"/v1/load", "/v1/unload"})
+READS = frozenset({"/v1/models", "/v1/health", "/health"})
+MODEL_KEYS = ("model", "model_name")
+SHOWN_PATH = 200
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+def reply(status: int, data: Any, *, close: bool = False) -> web.Response:
+    response = web.Response(status=status, body=json.dumps(data).encode(),
+                            content_type="application/json")
+    if close:  # the rest of the request was not read: the connection cannot carry another
+        response.force_close()
+    return response
+
+
+def refuse(status: int, message: str, *, close: bool = False, **extra: Any) -> web.Response:
+    return reply(status, error_body(message, status, **extra), close=close)
+
+
+class SendAgainError(Exception):
+    """The engine refused the connection and is gone: load it again and send the request again
+    (nothing reached it)."""
+
+
+async def read_body(request: web.BaseRequest, limits: Limits) -> bytes:
+    """The request body, within ROUTER_MAX_BODY_BYTES (chunked too) and ROUTER_HEADER_TIMEOUT
+    between two reads; BodyError otherwise."""
+    length = request.content_length
+    if length is not None and length > limits.max_body:
+        raise BodyError(413, f"the request body is {length} bytes, over {limits.max_body} "
+                             "(ROUTER_MAX_BODY_BYTES)")
+    if request.headers.get("expect", "").lower() == "100-continue":
+        await request.writer.write(CONTINUE)
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        try:
+            async with asyncio.timeout(limits.header_timeout):
+                data = await request.content.readany()
+        except TimeoutError:
+            raise BodyError(408, f"the request body stalled for {limits.header_timeout:g} s "
+                                 "(ROUTER_HEADER_TIMEOUT)") from None
+        except (RequestPayloadError, http_exceptions.HttpProcessingError) as exc:
+            raise BodyError(400, f"malformed request body: {str(exc).splitlines()[0][:200]}") from None
+        if not data:
+            return b"".join(parts)
+        size += len(data)
+        if size > limits.max_body:
+            raise BodyError(413, f"the request body is over {limits.max_body} bytes "
+                                 "(ROUTER_MAX_BODY_BYTES)")
+        parts.append(data)
+
+
+def protocol_problem(request: web.BaseRequest) -> str | None:
+    """What aiohttp's parser lets through that the router refuses."""
+    if request.version not in (aiohttp.HttpVersion10, aiohttp.HttpVersion11):
+        return f"HTTP/{request.version.major}.{request.version.minor} is not served (HTTP/1.1 is)"
+    coding = request.headers.getall("transfer-encoding", [])
+    if coding and [c.strip().lower() for c in coding] != ["chunked"]:
+        return "the only Transfer-Encoding taken is chunked"
+    for name in ("authorization", "origin"):
+        if len(request.headers.getall(name, [])) > 1:
+            return f"the request has more than one {name.title()} header"
+    return None
 
 
 class RouterApp:
-    def __init__(self, catalog: Catalog, manager: EngineManager, *, token: str, exposed_on: str,
-                 load_timeout: float | None = None) -> None:
-        self.catalog, self.manager, self.token = catalog, manager, token
+    def __init__(self, catalog: Catalog, manager: EngineManager, upstream: Upstream, *,
+                 token: str, exposed_on: str, load_timeout: float | None = None,
+                 limits: Limits | None = None) -> None:
+        self.catalog, self.manager, self.upstream, self.token = catalog, manager, upstream, token
+        self.limits = limits or Limits()
         self.auth_required = access.token_required(exposed_on, token)
         self.load_timeout = load_timeout
         self.created = int(time.time())
         # The client's bearer token is the router's, not the engine's: it stays here.
         self.drop = frozenset({"authorization"}) if token else frozenset()
-        self.relays = RelayPool()
 
     def timeout_for(self, entry: Entry) -> float:
         """How long a request waits for its model: a swap's stop and the profile's boot."""
         return self.load_timeout or entry.up_timeout + DOWN_TIMEOUT_S
 
-    async def handle(self, request: Request, conn: Connection) -> None:
-        path, method = request.path, request.method
-        if method == "GET":
-            if path == "/v1/models":
-                return conn.send_json(200, self.models())
-            if path in ("/v1/health", "/health"):
-                return conn.send_json(200, self.manager.snapshot())
-        elif method == "POST":
-            known = path in GENERATION or path in ("/v1/load", "/v1/unload")
-            if known and not self.allowed(request, conn):
-                return None
+    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        path, method = request.rel_url.raw_path, request.method
+        problem = protocol_problem(request)
+        if problem:
+            return refuse(400, problem, close=True)
+        if method == "GET" and path == "/v1/models":
+            return reply(200, self.models())
+        if method == "GET" and path in ("/v1/health", "/health"):
+            return reply(200, self.manager.snapshot())
+        if method == "POST" and (path in GENERATION or path in LIFECYCLE):
+            denied = self.denial(request)
+            if denied is not None:
+                return denied
+            try:
+                body = await read_body(request, self.limits)
+            except BodyError as exc:
+                return refuse(exc.status, exc.message, close=True)
             if path in GENERATION:
-                return await self.generate(request, conn)
-            if path == "/v1/load":
-                return await self.load(request, conn)
-            if path == "/v1/unload":
-                return await self.unload(request, conn)
-        if path in GENERATION or path in ("/v1/models", "/v1/health", "/health", "/v1/load",
-                                          "/v1/unload"):
-            return conn.send_json(405, error_body(f"{method} is not allowed on {path}", 405))
-        return conn.send_json(404, error_body(f"no route {path}", 404))
+                return await self.generate(request, path, body)
+            return await (self.load(body) if path == "/v1/load" else self.unload(body))
+        if path in GENERATION or path in LIFECYCLE or path in READS:
+            return refuse(405, f"{method[:20]} is not allowed on {path}")
+        return refuse(404, f"no route {path[:SHOWN_PATH]}")
 
-    def allowed(self, request: Request, conn: Connection) -> bool:
-        denial = access.write_denial(request.headers, token=self.token, required=self.auth_required)
+    def denial(self, request: web.BaseRequest) -> web.Response | None:
+        denial = access.write_denial(request.headers, token=self.token,
+                                     required=self.auth_required)
         if denial == access.NEEDS_TOKEN:
-            conn.send_json(401, error_body(
-                "this router needs its token: send 'Authorization: Bearer TOKEN' (ROUTER_TOKEN)", 401))
-        elif denial == access.NOT_LOCAL:
-            conn.send_json(403, error_body(
-                "requests must come from this machine (http://127.0.0.1 or http://localhost); "
-                "set a router token to allow others", 403))
-        return denial is None
+            return refuse(401, "this router needs its token: send 'Authorization: Bearer TOKEN' "
+                               "(ROUTER_TOKEN)")
+        if denial == access.NOT_LOCAL:
+            return refuse(403, "requests must come from this machine (http://127.0.0.1 or "
+                               "http://localhost); set a router token to allow others")
+        return None
 
     # --- views --------------------------------------------------------------------------------
 
@@ -94,100 +178,154 @@ class RouterApp:
             data.append(item)
         return {"object": "list", "data": data}
 
-    def entry_for(self, data: Any, conn: Connection, keys: tuple[str, ...]) -> Entry | None:
-        """The catalog entry the body names; None after answering 400/404."""
-        name = next((data[k] for k in keys if isinstance(data, dict) and data.get(k)), None)
+    def entry_for(self, data: Any, *, strict: bool) -> Entry | web.Response:
+        """The catalog entry the body names, or the 400/404 answer. `strict` (the lifecycle
+        API): the body holds nothing but the model's name."""
         ids = ", ".join(self.catalog.ids)
-        if not isinstance(name, str):
-            conn.send_json(400, error_body(f"name a model in {keys[0]!r}: one of {ids}", 400,
-                                           param=keys[0]))
-            return None
+        if not isinstance(data, dict):
+            return refuse(400, f"the body must be a JSON object naming a model: {{\"model\": ID}} "
+                               f"with one of {ids}")
+        if strict and (unknown := [k for k in data if k not in MODEL_KEYS]):
+            return refuse(400, f"unknown field {shown_name(str(unknown[0]))!r}: send "
+                               f"{{\"model\": ID}} with one of {ids}", param=str(unknown[0])[:80])
+        keys = MODEL_KEYS if strict else MODEL_KEYS[:1]
+        name = next((data[k] for k in keys if k in data), None)
+        if not isinstance(name, str) or not name:
+            return refuse(400, f"name a model in 'model' (a string): one of {ids}", param="model")
         entry = self.catalog.find(name)
         if entry is None:
-            conn.send_json(404, error_body(f"The model `{name}` does not exist. Known models: {ids}",
-                                           404, param="model", known=self.catalog.ids))
+            return refuse(404, f"The model `{shown_name(name)}` does not exist. Known models: {ids}",
+                          param="model", known=self.catalog.ids)
         return entry
 
-    def failed(self, conn: Connection, entry: Entry, exc: Exception) -> None:
-        if isinstance(exc, LoadFailedError):
-            message = f"{entry.id} could not be loaded: {exc.cause}"
-            diagnosis = {"cause": exc.cause, "fix": exc.fix or ""}
-        else:
-            assert isinstance(exc, RouterBusyError)
-            message, diagnosis = exc.cause, {"cause": exc.cause, "fix": exc.fix or ""}
-        conn.send_json(503, error_body(message, 503, param="model", diagnosis=diagnosis))
+    def failed(self, entry: Entry, exc: LoadFailedError | RouterBusyError) -> web.Response:
+        message = (f"{entry.id} could not be loaded: {exc.cause}"
+                   if isinstance(exc, LoadFailedError) else exc.cause)
+        return refuse(503, message, param="model",
+                      diagnosis={"cause": exc.cause, "fix": exc.fix or ""})
 
     # --- routes -------------------------------------------------------------------------------
 
-    async def generate(self, request: Request, conn: Connection) -> None:
+    async def generate(self, request: web.BaseRequest, path: str, body: bytes
+                       ) -> web.StreamResponse:
         try:
-            data = json.loads(request.body)
-        except ValueError as exc:
-            return conn.send_json(400, error_body(f"the body is not JSON ({exc})", 400))
-        entry = self.entry_for(data, conn, ("model",))
-        if entry is None:
-            return None
-        body = request.body
+            data = parse_body(body, self.limits)
+        except BodyError as exc:
+            return refuse(exc.status, exc.message)
+        entry = self.entry_for(data, strict=False)
+        if isinstance(entry, web.Response):
+            return entry
         if data["model"] != entry.id:  # named by its profile: the engine knows its served name
             body = json.dumps({**data, "model": entry.id}).encode()
+        query = request.rel_url.raw_query_string
+        target = path + ("?" + query if query else "")
+        headers = request_headers(request.headers.items(), self.drop)
+        for attempt in (1, 2):
+            try:
+                url = await self.manager.acquire(entry, self.timeout_for(entry))
+            except (LoadFailedError, RouterBusyError) as exc:
+                return self.failed(entry, exc)
+            cut = Cut(task=asyncio.current_task())
+            self.manager.hold(cut)
+            try:
+                return await self.forward(request, entry, url + target, headers, body, cut,
+                                          retry=attempt == 1)
+            except SendAgainError:
+                continue
+            finally:
+                self.manager.unhold(cut)
+                self.manager.release()
+        raise AssertionError("unreachable: the second attempt never retries")
+
+    async def forward(self, request: web.BaseRequest, entry: Entry, url: str, headers: Any,
+                      body: bytes, cut: Cut, *, retry: bool) -> web.StreamResponse:
         try:
-            url = await self.manager.acquire(entry, self.timeout_for(entry))
-        except (LoadFailedError, RouterBusyError) as exc:
-            return self.failed(conn, entry, exc)
-        self.manager.hold(conn.abort)
-        try:
-            parts = urlsplit(url)
-            await forward(conn, request, parts.hostname or "127.0.0.1", parts.port or 80, body,
-                          self.relays, drop=self.drop)
+            async with self.upstream.open(url, headers, body, cut) as answer:
+                self.manager.answered(entry, answer.status)
+                response = web.StreamResponse(status=answer.status, reason=answer.reason,
+                                              headers=response_headers(answer))
+                length = answer.headers.get("content-length")
+                if length is not None and length.isdigit() and "transfer-encoding" not in answer.headers:
+                    response.content_length = int(length)
+                else:
+                    response.enable_chunked_encoding()
+                await response.prepare(request)
+                try:
+                    await relay(answer, response)
+                except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                    await self.broken_off(request, response, cut, exc)
+                    return response
+                await response.write_eof()
+                return response
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if cut.reason and task is not None and task.uncancel() == 0:  # cut, not the client
+                return refuse(503, cut.reason + " before the engine answered")
+            raise
         except UpstreamError as exc:
-            self.manager.engine_gone(entry, str(exc))
-            conn.send_json(502, error_body(f"the engine of {entry.id} did not answer: {exc}; the "
-                                           "next request loads it again", 502))
-        finally:
-            self.manager.unhold(conn.abort)
-            self.manager.release()
-        return None
+            if cut.reason:
+                return refuse(503, cut.reason + " before the engine answered")
+            gone = await self.manager.upstream_failed(entry, str(exc))
+            if exc.refused and gone and retry:
+                raise SendAgainError from None
+            if exc.timeout:
+                return refuse(504, f"the engine of {entry.id} did not answer: {exc}")
+            return refuse(502, f"the engine of {entry.id} did not answer: {exc}"
+                               + ("; the next request loads it again" if gone else ""))
 
-    def _json(self, request: Request, conn: Connection) -> Any:
+    async def broken_off(self, request: web.BaseRequest, response: web.StreamResponse, cut: Cut,
+                         exc: BaseException) -> None:
+        """The engine's answer stopped before its end: cut by the router (a swap's drain, a
+        stop), timed out, or dropped by the engine. A stream gets an SSE error event; then the
+        client connection closes without the body's end, so no client takes it as complete."""
+        if cut.reason:
+            status, message = 503, cut.reason
+        elif isinstance(exc, TimeoutError):
+            status, message = 504, (f"the engine sent nothing for {self.limits.read_timeout:g} s "
+                                    "(ROUTER_UPSTREAM_READ_TIMEOUT)")
+        else:
+            status, message = 502, f"the engine's answer broke off ({type(exc).__name__})"
+        if response.content_type == "text/event-stream":
+            event = b"data: " + json.dumps(error_body(message, status)).encode() + b"\n\n"
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                await response.write(event)
+        if request.transport is not None:
+            request.transport.close()  # after the error event; the final chunk is never sent
+
+    async def load(self, body: bytes) -> web.Response:
         try:
-            return json.loads(request.body or b"{}")
-        except ValueError as exc:
-            conn.send_json(400, error_body(f"the body is not JSON ({exc})", 400))
-            return None
-
-    async def load(self, request: Request, conn: Connection) -> None:
-        data = self._json(request, conn)
-        entry = None if data is None else self.entry_for(data, conn, ("model", "model_name"))
-        if entry is None:
-            return None
+            data = parse_body(body, self.limits)
+        except BodyError as exc:
+            return refuse(exc.status, exc.message)
+        entry = self.entry_for(data, strict=True)
+        if isinstance(entry, web.Response):
+            return entry
         began = time.monotonic()
         try:
             await self.manager.load(entry, self.timeout_for(entry))
         except (LoadFailedError, RouterBusyError) as exc:
-            return self.failed(conn, entry, exc)
-        conn.send_json(200, {"status": "success", "model": entry.id, "state": "ready",
-                             "seconds": round(time.monotonic() - began, 3)})
-        return None
+            return self.failed(entry, exc)
+        return reply(200, {"status": "success", "model": entry.id, "state": "ready",
+                           "seconds": round(time.monotonic() - began, 3)})
 
-    async def unload(self, request: Request, conn: Connection) -> None:
-        data = self._json(request, conn)
-        if data is None:
-            return None
-        named = isinstance(data, dict) and (data.get("model") or data.get("model_name"))
-        if named:
-            entry = self.entry_for(data, conn, ("model", "model_name"))
-            if entry is None:
-                return None
+    async def unload(self, body: bytes) -> web.Response:
+        try:
+            data = parse_body(body, self.limits, empty={})
+        except BodyError as exc:
+            return refuse(exc.status, exc.message)
+        if data != {}:  # {} unloads whatever is resident; anything else must name a model
+            entry = self.entry_for(data, strict=True)
+            if isinstance(entry, web.Response):
+                return entry
             if self.manager.resident is not entry:
-                return conn.send_json(200, {"status": "success", "unloaded": None,
-                                            "message": f"{entry.id} is not loaded"})
+                return reply(200, {"status": "success", "unloaded": None,
+                                   "message": f"{entry.id} is not loaded"})
         try:
             gone = await self.manager.unload(DOWN_TIMEOUT_S + 60)
         except RouterBusyError as exc:
-            return conn.send_json(503, error_body(exc.cause, 503))
+            return refuse(503, exc.cause)
         if gone is not None and self.manager.status[gone.id].state != "unloaded":
             error = self.manager.status[gone.id].error or {}
-            return conn.send_json(503, error_body(f"{gone.id} could not be unloaded: "
-                                                  f"{error.get('cause')}", 503, diagnosis=error))
-        conn.send_json(200, {"status": "success", "unloaded": gone.id if gone else None})
-        return None
+            return refuse(503, f"{gone.id} could not be unloaded: {error.get('cause')}",
+                          diagnosis=error)
+        return reply(200, {"status": "success", "unloaded": gone.id if gone else None})

@@ -1,91 +1,142 @@
-"""`invoke router`: run the router in the foreground until SIGTERM or SIGINT.
+"""`invoke router`: run the router in the foreground until SIGTERM, SIGINT or SIGHUP.
 
-Start: refuse to listen beyond loopback without a token; build the catalog; adopt a healthy
-engine of one of its profiles that already runs (generated/state.json); listen. Stop: close the
-listener and every client connection, then stop the engine the router started or adopted and
-wait for its memory to be released, so no engine outlives the router.
+Start: take the checkout's router lock (one router per checkout); check the options; refuse to
+listen beyond loopback without a token; build the catalog and read the ROUTER_* limits; raise
+the open-file limit to fit the connection cap; adopt a healthy engine of one of its profiles
+that already runs (generated/state.json); listen. Stop (any of the three signals: closing the
+terminal is SIGHUP): stop accepting, end every stream in flight with an error event, close the
+client connections, then stop the engine the router started or adopted and wait for its memory
+to be released, so no engine outlives the router.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
-import os
+import resource
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import TextIO
 
 from vllmstack.core import access
-from vllmstack.core.errors import StackError
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner, SubprocessRunner
 from vllmstack.observe.health import identify_server
+from vllmstack.router import options
 from vllmstack.router.catalog import Catalog, build_catalog
 from vllmstack.router.engines import DRAIN_TIMEOUT_S, EngineManager, Lifecycle
-from vllmstack.router.http import Connection
-from vllmstack.router.record import remove_record, write_record
+from vllmstack.router.front import Front
+from vllmstack.router.limits import Limits, read_limits
+from vllmstack.router.options import TOKEN_VAR, RouterError
+from vllmstack.router.record import identity, remove_record, router_lock, write_record
 from vllmstack.router.server import RouterApp
 from vllmstack.router.stacks import ROUTER_DIR, StackLifecycle
+from vllmstack.router.upstream import Upstream
 
 DEFAULT_HOST = "127.0.0.1"
 # llama-swap's port, where OpenAI clients of a local swapper already point.
 DEFAULT_PORT = 8080
-TOKEN_VAR = "ROUTER_TOKEN"
-
-
-class RouterError(StackError):
-    """The router cannot start; the message names the setting and the fix."""
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+FD_RESERVE = 256  # descriptors beyond the client cap: engine connections, logs, the lifecycle's
+CUT_WAIT_S = 2.0  # how long a stop lets cut streams write their error event
 
 
 def run_router(project: Project, environ: Mapping[str, str], *, host: str = DEFAULT_HOST,
-               port: int = DEFAULT_PORT, platform: str | None = None, ttl: float | None = None,
-               profiles: Sequence[str] = (), token: str | None = None, out: TextIO | None = None,
-               runner: Runner | None = None, runtime: str | None = None,
-               load_timeout: float | None = None, drain_timeout: float | None = None,
+               port: int | str = DEFAULT_PORT, platform: str | None = None,
+               ttl: float | str | None = None, profiles: Sequence[str] = (),
+               token: str | None = None, token_file: str | Path | None = None,
+               out: TextIO | None = None, runner: Runner | None = None, runtime: str | None = None,
+               load_timeout: float | str | None = None, drain_timeout: float | str | None = None,
                lifecycle: Lifecycle | None = None) -> int:
-    """Serve until SIGTERM/SIGINT; 0 after a clean stop. `token` None: ROUTER_TOKEN from
-    `environ`, else from .env. `ttl` (seconds, 0 = never) overrides every profile's IDLE_TTL;
-    `load_timeout` bounds how long a request waits for its model (default: the profile's
-    UP_TIMEOUT plus the previous engine's stop); `drain_timeout` how long a swap waits for the
-    old model's requests before it cuts them (0 = for ever)."""
+    """Serve until a stop signal; 0 after a clean stop. The token: `token_file`, else
+    ROUTER_TOKEN from `environ`, else from .env (`token` only for callers in this process).
+    `ttl` (seconds, 0 = never) overrides every profile's IDLE_TTL; `load_timeout` bounds how long
+    a request waits for its model (default: the profile's UP_TIMEOUT plus the previous engine's
+    stop); `drain_timeout` how long a swap waits for the old model's requests before it cuts
+    them (0 = for ever)."""
     out = out or sys.stdout
-    if ttl is not None and ttl < 0:
-        raise RouterError(f"--ttl {ttl:g} is negative", "give idle seconds, or 0 for never")
-    if drain_timeout is not None and drain_timeout < 0:
-        raise RouterError(f"--drain-timeout {drain_timeout:g} is negative",
-                          "give seconds, or 0 to wait for ever")
-    catalog = build_catalog(project, environ, platform=platform, profiles=profiles, ttl=ttl,
-                            router_port=port)
-    if token is None:
+    port = options.port(port)
+    ttl = options.seconds("--ttl", ttl, zero_means="never unload")
+    load_timeout = options.seconds("--load-timeout", load_timeout)
+    drain = options.seconds("--drain-timeout", drain_timeout, zero_means="wait for ever")
+    with router_lock(project):
+        catalog = build_catalog(project, environ, platform=platform, profiles=profiles, ttl=ttl,
+                                router_port=port)
         first = next(iter(catalog.entries.values())).resolved
-        token = environ.get(TOKEN_VAR) or first.get(TOKEN_VAR) or ""
-    if access.exposed_without_token(host, token):
-        raise RouterError(
-            f"the router would listen on {host}, reachable from other machines, without a token",
-            f"set {TOKEN_VAR} in .env or the environment (any long random string, e.g. `python -c "
-            "'import secrets; print(secrets.token_urlsafe(24))'`; clients send it as 'Authorization: "
-            f"Bearer TOKEN') or listen on {DEFAULT_HOST} (--host)")
-    log_lock = threading.Lock()
-    log_path = project.generated / ROUTER_DIR / "router.log"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
+        limits = read_limits(first)
+        token = options.choose_token(token, token_file, environ, first.get_raw(TOKEN_VAR))
+        if access.exposed_without_token(host, token):
+            raise RouterError(
+                f"the router would listen on {host}, reachable from other machines, without a token",
+                f"set {TOKEN_VAR} in the environment or .env, or pass --token-file FILE (any long "
+                "random string, e.g. `python -c 'import secrets; print(secrets.token_urlsafe(24))'`; "
+                f"clients send it as 'Authorization: Bearer TOKEN'), or listen on {DEFAULT_HOST} "
+                "(--host)")
+        say = logger(project, out)
+        limits = fit_open_files(limits, say)
+        # The token is the router's: the engines it starts never see it.
+        engine_environ = {k: v for k, v in environ.items() if k != TOKEN_VAR}
+        lifecycle = lifecycle or StackLifecycle(project, engine_environ,
+                                                runner or SubprocessRunner(), say=say,
+                                                runtime=runtime)
+        with asyncio.Runner(loop_factory=loop_factory()) as loop_runner:
+            return loop_runner.run(_serve(
+                project, catalog, lifecycle, host=host, port=port, token=token,
+                load_timeout=load_timeout, say=say, limits=limits,
+                drain_timeout=DRAIN_TIMEOUT_S if drain is None else drain))
+
+
+def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's event loop where it is installed (fewer microseconds per relayed chunk)."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
+def logger(project: Project, out: TextIO) -> Callable[[str], None]:
+    """`say`: a line to `out` and to generated/router/router.log. A closed terminal (SIGHUP, a
+    pipe gone) does not stop the log file."""
+    lock = threading.Lock()
+    path = project.generated / ROUTER_DIR / "router.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
 
     def say(line: str) -> None:
         text = f"{time.strftime('%H:%M:%S')} {line}"
-        with log_lock:
-            print(text, file=out, flush=True)
-            with log_path.open("a", encoding="utf-8") as handle:
+        with lock:
+            with contextlib.suppress(OSError, ValueError):
+                print(text, file=out, flush=True)
+            with path.open("a", encoding="utf-8") as handle:
                 handle.write(text + "\n")
 
-    lifecycle = lifecycle or StackLifecycle(project, environ, runner or SubprocessRunner(),
-                                            say=say, runtime=runtime)
-    return asyncio.run(_serve(project, catalog, lifecycle, host=host, port=port, token=token,
-                              load_timeout=load_timeout, say=say,
-                              drain_timeout=DRAIN_TIMEOUT_S if drain_timeout is None
-                              else drain_timeout))
+    return say
+
+
+def fit_open_files(limits: Limits, say: Callable[[str], None]) -> Limits:
+    """Raise the soft open-file limit to hold ROUTER_MAX_CONNECTIONS (a default `ulimit -n` of
+    1024 was exhausted by 1,100 idle connections); where the hard limit is lower, lower the cap."""
+    want = limits.max_connections + FD_RESERVE
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return limits
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        soft = target
+    if soft >= want:
+        return limits
+    cap = max(16, soft - FD_RESERVE)
+    say(f"warning: the open-file limit is {soft} (hard {hard}); serving at most {cap} client "
+        f"connections instead of {limits.max_connections} (ROUTER_MAX_CONNECTIONS; raise "
+        "`ulimit -Hn` for more)")
+    return dataclasses.replace(limits, max_connections=cap)
 
 
 def local_url(host: str, port: int) -> str:
@@ -97,25 +148,27 @@ def local_url(host: str, port: int) -> str:
 
 async def _serve(project: Project, catalog: Catalog, lifecycle: Lifecycle, *, host: str, port: int,
                  token: str, load_timeout: float | None, say: Callable[[str], None],
-                 drain_timeout: float = DRAIN_TIMEOUT_S) -> int:
+                 limits: Limits, drain_timeout: float = DRAIN_TIMEOUT_S) -> int:
     loop = asyncio.get_running_loop()
     url = local_url(host, port)
     started = time.time()
+    me = identity()
     manager: EngineManager
 
     def record() -> None:
         snap = manager.snapshot()
-        write_record(project, {"pid": os.getpid(), "url": url, "host": host, "port": port,
+        write_record(project, {**me, "url": url, "host": host, "port": port,
                                "platform": catalog.platform, "started": started,
                                "auth_required": access.token_required(host, token), **snap})
 
+    upstream = Upstream(limits)
     manager = EngineManager(catalog, lifecycle, say=say, on_change=record,
-                            drain_timeout=drain_timeout)
-    app = RouterApp(catalog, manager, token=token, exposed_on=host, load_timeout=load_timeout)
-    connections: set[Connection] = set()
+                            drain_timeout=drain_timeout, limits=limits, probe=upstream.probe)
+    app = RouterApp(catalog, manager, upstream, token=token, exposed_on=host,
+                    load_timeout=load_timeout, limits=limits)
+    front = Front(app.handle, limits, say=say)
     try:
-        server = await loop.create_server(lambda: Connection(app.handle, connections), host, port,
-                                          reuse_address=True)
+        server = await loop.create_server(front, host, port, reuse_address=True, backlog=1024)
     except OSError as exc:
         taken = exc.errno == errno.EADDRINUSE
         raise RouterError(
@@ -123,8 +176,14 @@ async def _serve(project: Project, catalog: Catalog, lifecycle: Lifecycle, *, ho
             + (f"the port is taken by {identify_server(url)}" if taken else str(exc.strerror or exc)),
             "choose another --port" if taken else "check --host") from None
     stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    got: list[str] = []
+
+    def stopping(sig: signal.Signals) -> None:
+        got.append(sig.name)
+        stop.set()
+
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, stopping, sig)
     idle: asyncio.Task[None] | None = None
     try:
         await manager.adopt()
@@ -135,21 +194,31 @@ async def _serve(project: Project, catalog: Catalog, lifecycle: Lifecycle, *, ho
         say("token required for requests" if app.auth_required else "loopback only, no token")
         idle = loop.create_task(manager.idle_loop())
         await stop.wait()
-        say("stopping")
+        say(f"stopping ({got[0] if got else 'stop'})")
     finally:
-        server.close()
-        if idle is not None:
-            idle.cancel()
-        for conn in list(connections):
-            if conn.transport is not None:
-                conn.transport.abort()
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(server.wait_closed(), 5)
+        await _close(server, front, manager, upstream, idle)
         try:
             await manager.shutdown()
         finally:
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in STOP_SIGNALS:
                 loop.remove_signal_handler(sig)
-            remove_record(project)
+            remove_record(project, me)
     say("stopped; no engine left running")
     return 0
+
+
+async def _close(server: asyncio.AbstractServer, front: Front, manager: EngineManager,
+                 upstream: Upstream, idle: asyncio.Task[None] | None) -> None:
+    """Stop accepting; end the streams in flight with an error event; close every connection."""
+    server.close()
+    if idle is not None:
+        idle.cancel()
+    if manager.cut_all("the router is stopping"):
+        deadline = time.monotonic() + CUT_WAIT_S
+        while manager.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+    for connection in front.connections:
+        connection.force_close()
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(server.wait_closed(), 5)
+    await upstream.close()
