@@ -13,6 +13,7 @@ import contextlib
 import fcntl
 import json
 import os
+import stat
 import tempfile
 import time
 import uuid
@@ -130,8 +131,15 @@ def read_file(path: Path) -> ReadResult:
     records may hold them; the dashboard shows them as missing). An unreadable file is empty."""
     result = ReadResult()
     try:
-        with path.open("rb") as handle:
-            size = os.fstat(handle.fileno()).st_size
+        # Non-blocking, and regular files only: a FIFO in its place must not hang the reader.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return result
+    try:
+        with os.fdopen(fd, "rb") as handle:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return result
+            size = os.fstat(fd).st_size
             if size > READ_MAX_BYTES:
                 handle.seek(size - READ_MAX_BYTES)
                 handle.readline()  # the first, cut line is not a record

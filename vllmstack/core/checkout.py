@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Concatenate, ParamSpec, TypeVar
 
 from vllmstack.core.errors import StackError
-from vllmstack.core.files import FileWriteError, parse_json
+from vllmstack.core.files import FileWriteError, JsonFileError, read_json_file
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner
 
@@ -73,15 +73,15 @@ class LockHolder:
 
 def _lock_info(path: Path) -> tuple[int, str, float, bool] | None:
     try:
-        data = parse_json(path.read_bytes()[:4096])
-        if not isinstance(data, dict):
+        data = read_json_file(path, max_bytes=4096)
+        if data is None:
             return None
         pid, command, since = data["pid"], data["command"], data["since"]
         if not (isinstance(pid, int) and isinstance(command, str)
                 and isinstance(since, (int, float))) or isinstance(pid, bool):
             return None
         return pid, command, float(since), data.get("stoppable") is True
-    except (OSError, ValueError, KeyError):
+    except (JsonFileError, KeyError):
         return None
 
 

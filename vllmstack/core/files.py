@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import re
+import stat
 import unicodedata
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,9 @@ class FileWriteError(StackError, OSError):
         reason = exc.strerror or str(exc)
         super().__init__(f"cannot write {path}: {reason}", write_fix(exc.errno, path))
         self.errno, self.strerror, self.filename = exc.errno, exc.strerror, str(path)
+
+    def __str__(self) -> str:  # OSError's "[Errno N] ..." would hide the fix's context
+        return self.cause
 
 
 def write_fix(code: int | None, path: Path) -> str:
@@ -65,6 +69,18 @@ def write_text(path: Path, text: str, mode: int = PRIVATE) -> None:
             raise
     except FileWriteError:
         raise
+    except OSError as exc:
+        raise FileWriteError(path, exc) from exc
+
+
+def remove_file(path: Path) -> None:
+    """Delete a file the stack wrote, if it is there. A folder in its place is left alone (it is
+    not one the stack made, and what is in it is not the stack's to delete); a deletion that
+    fails otherwise (read-only file system) is a FileWriteError naming the file."""
+    try:
+        path.unlink(missing_ok=True)
+    except IsADirectoryError:
+        pass
     except OSError as exc:
         raise FileWriteError(path, exc) from exc
 
@@ -148,14 +164,21 @@ def read_json_file(path: Path, what: str | None = None, *, fix: str | None = Non
                              path=path, reason=reason)
 
     try:
-        with path.open("rb") as handle:
-            data = handle.read(max_bytes + 1)
+        # Non-blocking: a FIFO put where a record belongs must not hang the command that reads it.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
-    except IsADirectoryError:
-        raise damaged("is a folder, not a file") from None
     except OSError as exc:
         raise damaged(f"cannot be read ({exc.strerror or exc})") from exc
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise damaged("is not a regular file")
+        with os.fdopen(fd, "rb", closefd=False) as handle:
+            data = handle.read(max_bytes + 1)
+    except OSError as exc:
+        raise damaged(f"cannot be read ({exc.strerror or exc})") from exc
+    finally:
+        os.close(fd)
     if len(data) > max_bytes:
         raise damaged(f"is larger than {max_bytes} bytes, more than the stack ever writes there")
     try:

@@ -21,7 +21,7 @@ from vllmstack.config.engine import LLAMACPP, VLLM, display_name, engine_of
 from vllmstack.config.profiles import Resolved
 from vllmstack.config.vllm_args import ServeCommand
 from vllmstack.core.errors import StackError
-from vllmstack.core.files import FileWriteError
+from vllmstack.core.files import FileWriteError, remove_file
 from vllmstack.core.findings import Finding
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner
@@ -302,7 +302,7 @@ def _down(stack: Stack, *, timeout: float, dry_run: bool) -> bool:
             f"the engine is stopped but GPU memory is still in use after {timeout:.0f} s "
             f"({(used or 0) / GIB:.1f} GiB, was {(baseline or 0) / GIB:.1f} GiB before `up`)",
             "look for a leftover engine process (amd-smi / nvidia-smi, ps aux | grep vllm) and end it")
-    (stack.project.generated / STATE_FILE).unlink(missing_ok=True)
+    remove_file(stack.project.generated / STATE_FILE)
     print("stopped" + (f"; GPU memory back to {used / GIB:.1f} GiB in use" if used is not None
                        else ""), file=stack.out)
     return True

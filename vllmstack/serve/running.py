@@ -11,13 +11,13 @@ When the followed selection differs from .env's, one line says which is used and
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from vllmstack.config.profiles import ProfileError, Resolved, resolve
 from vllmstack.core.errors import StackError
+from vllmstack.core.files import JsonFileError, read_json_file
 from vllmstack.core.paths import Project
 from vllmstack.serve.state import STATE_FILE, read_state
 
@@ -59,9 +59,9 @@ def running_selection(project: Project) -> Running | None:
 
 
 def _router_resident(project: Project) -> Running | None:
-    try:
-        data = json.loads((project.generated / ROUTER_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    try:  # damaged (deep, cut short, not JSON): it says nothing about what runs
+        data = read_json_file(project.generated / ROUTER_FILE)
+    except JsonFileError:
         return None
     if not isinstance(data, dict) or not _alive(data.get("pid")):
         return None  # a record left by a router that died says nothing about now

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TextIO
 
 from vllmstack.config.profiles import Resolved
-from vllmstack.core.files import FileWriteError, tail_lines, write_json
+from vllmstack.core.files import FileWriteError, remove_file, tail_lines, write_json
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner
 from vllmstack.observe.health import health_status, port_answers
@@ -223,7 +223,7 @@ class NativeDashboard:
 
     def _forget(self) -> None:
         for path in (self.record_path, self.exit_path, self.spec_path):
-            path.unlink(missing_ok=True)
+            remove_file(path)
 
     def _rel(self, path: Path) -> str:
         try:

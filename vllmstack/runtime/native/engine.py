@@ -36,7 +36,14 @@ from typing import Any, TextIO
 
 from vllmstack.config.profiles import Resolved
 from vllmstack.config.vllm_args import ServeCommand
-from vllmstack.core.files import FileWriteError, parse_json, tail_lines, write_json
+from vllmstack.core.files import (
+    FileWriteError,
+    JsonFileError,
+    read_json_file,
+    remove_file,
+    tail_lines,
+    write_json,
+)
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner
 from vllmstack.runtime.base import MISSING, EngineState
@@ -438,14 +445,14 @@ class NativeEngine:
 
     def _forget(self) -> None:
         for path in (self.record_path, self.exit_path, self.spec_path):
-            path.unlink(missing_ok=True)
+            remove_file(path)
 
 
 def read_exit_code(path: Path, record: EngineRecord) -> int | None:
     """The exit code the keeper wrote for this very engine (pid and marker), else None."""
     try:
-        data = parse_json(path.read_bytes())
-    except (OSError, ValueError):
+        data = read_json_file(path, expect_object=False)
+    except JsonFileError:
         return None
     if not isinstance(data, dict) or data.get("pid") != record.pid \
             or data.get("marker") != record.marker:
