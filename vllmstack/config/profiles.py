@@ -33,7 +33,8 @@ from vllmstack.core.runner import MASK, is_secret_name, mask_argv
 
 PLATFORM_DIR = "platforms"
 MODEL_DIR = "models"
-MAX_LAYER_DEPTH = 32  # EXTENDS levels; the shipped profiles use 3
+MAX_LAYER_DEPTH = 32  # EXTENDS levels (the shipped profiles use 3), and ${...} nesting
+MAX_VALUE_CHARS = 65536  # what a reference may expand to (the longest shipped value is ~200)
 REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
@@ -339,6 +340,12 @@ def _expand_references(
         def lookup(match: re.Match[str]) -> str:
             name = match.group(1)
             if name in values and name != key and name not in active:
+                if len(active) >= MAX_LAYER_DEPTH:  # a 3,000-long chain was a RecursionError
+                    problems.append(Finding(
+                        "error", "reference-depth", f"{key}: ${{...}} references nest more than "
+                        f"{MAX_LAYER_DEPTH} deep (from {active[0]}); not expanded", key=key,
+                        source=setting.source, fix="write the value out instead of a chain"))
+                    return match.group(0)
                 return expand(name, (*active, key))
             if name in environ:
                 return environ[name]
@@ -351,8 +358,16 @@ def _expand_references(
             )
             return match.group(0)
 
-        done[key] = REFERENCE.sub(lookup, setting.value) if "${" in setting.value else setting.value
-        return done[key]
+        value = REFERENCE.sub(lookup, setting.value) if "${" in setting.value else setting.value
+        if len(value) > MAX_VALUE_CHARS:
+            # A=${B}${B}, B=${C}${C}, ...: each level doubles; forty of them are a terabyte.
+            problems.append(Finding(
+                "error", "reference-size", f"{key} expands to {len(value)} characters, more "
+                f"than {MAX_VALUE_CHARS}; not expanded", key=key, source=setting.source,
+                fix="write the value out instead of repeating references"))
+            value = setting.value
+        done[key] = value
+        return value
 
     for key in list(values):
         expanded = expand(key, ())
