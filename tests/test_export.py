@@ -13,7 +13,6 @@ import os
 import re
 import shlex
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
@@ -96,7 +95,7 @@ def test_every_profile_exports_to_production_stack(project: Project, platform: s
         assert [f.code for f in p.findings if f.severity == "error"] == ["export-chart-vllm-only"]
         return
     assert errors(p) == []
-    assert any("values.schema.json" in how for how in p.validated)
+    assert any(validate.OWN_SCHEMA in how for how in p.validated)
     values = yaml.safe_load(p.files["values.yaml"])
     assert validate.validate_values(values) == []
     (entry,) = values["servingEngineSpec"]["modelSpec"]
@@ -196,50 +195,6 @@ def test_seed_profile_unit_has_image_argv_and_amd_devices(project: Project, tmp_
     assert [v for k, v in container if k == "AddDevice"] == ["/dev/kfd", "/dev/dri"]
     podman = " ".join(v for k, v in container if k == "PodmanArgs")
     assert "--group-add" in podman and "--shm-size 20g" in podman and "--health-cmd" in podman
-
-
-# --- the chart model against the chart itself ------------------------------------------------
-
-def rendered_cases() -> dict[str, Any]:
-    """The chart (vllm-stack 0.1.12) rendered by Helm's own Go SDK (helm-python-sdk) from values
-    this export wrote: a Deployment, and a RayCluster (PP=2 over two boxes). Recorded data."""
-    cases: dict[str, Any] = json.loads((ROOT / "tests/data/export/chart-render.json").read_text())["cases"]
-    return cases
-
-
-def test_chart_model_gives_the_command_the_real_chart_rendered_for_a_deployment() -> None:
-    case = rendered_cases()["deployment"]
-    (entry,) = case["values"]["servingEngineSpec"]["modelSpec"]
-    deployment = next(d for d in case["rendered"] if d["kind"] == "Deployment"
-                      and d["metadata"]["name"].endswith("-deployment-vllm"))
-    (container,) = deployment["spec"]["template"]["spec"]["containers"]
-    assert chart.chart_argv(case["values"], entry) == container["command"]
-    assert container["resources"]["limits"] == {"amd.com/gpu": "2"}
-
-
-def test_chart_model_gives_the_words_the_real_rayclusters_script_runs() -> None:
-    import subprocess
-
-    case = rendered_cases()["ray"]
-    (entry,) = case["values"]["servingEngineSpec"]["modelSpec"]
-    script = next(d for d in case["rendered"] if d["metadata"]["name"].endswith("vllm-start-script"))
-    body = script["data"]["vllm-entrypoint.sh"].split("Starting vLLM...\"", 1)[1]
-    # The script's own words up to its exec, which prints them instead of running vLLM.
-    body = body.replace('exec "${ARGS[@]}"', 'printf "%s\\0" "${ARGS[@]}"').replace(
-        'echo "Executing', 'echo >&2 "Executing')
-    out = subprocess.run(["bash", "-c", body], capture_output=True, text=True, check=True,
-                         env={"VLLMSTACK_SECRET_API_KEY": "sk-value", "PATH": "/usr/bin:/bin"})
-    words = out.stdout.split("\0")[:-1]
-    expected = [w.replace("${VLLMSTACK_SECRET_API_KEY}", "sk-value")
-                for w in chart.chart_argv(case["values"], entry)]
-    assert words == expected
-    assert {"--distributed-executor-backend", "--pipeline-parallel-size"} <= set(words)
-
-
-def test_every_document_the_real_chart_rendered_passes_kubernetes_validate() -> None:
-    for case in rendered_cases().values():
-        core = [d for d in case["rendered"] if d["kind"] != "RayCluster"]  # a CRD: no bundled schema
-        assert validate.validate_manifests(core) == []
 
 
 # --- secrets, several profiles, several nodes -------------------------------------------------
@@ -368,22 +323,87 @@ def test_quadlet_validation_refuses_keys_podman_44_does_not_know() -> None:
         "[Container] ShmSize= is not a key of Podman 4.4's Quadlet"]
 
 
-def test_values_validation_catches_a_wrong_type_and_an_undeclared_key() -> None:
-    values = {"servingEngineSpec": {"modelSpec": [{"name": "m", "requestGPU": [2],
-                                                   "vllmConfig": {"maxModelLenn": 4}}]}}
+def test_values_validation_refuses_a_wrong_type_and_a_key_the_chart_would_ignore(project: Project) -> None:
+    values = yaml.safe_load(plan(project, service.PRODUCTION_STACK, [SEED[1]], SEED[0]).files["values.yaml"])
+    (entry,) = values["servingEngineSpec"]["modelSpec"]
+    assert validate.validate_values(values) == []
+    entry["requestGPU"] = [2]
+    entry["vllmConfig"]["maxModelLenn"] = 4  # misspelt: the chart would drop it without a word
+    entry["vllmConfig"]["v1"] = "1"          # only the RayCluster reads it
     problems = validate.validate_values(values)
-    assert any("requestGPU" in p and "is not of type" in p for p in problems)
-    assert ("servingEngineSpec.modelSpec.0.vllmConfig.maxModelLenn: not a key the chart's schema "
-            "declares") in problems
+    shown = validate.OWN_SCHEMA_SHOWN
+    assert any(p.startswith("servingEngineSpec.modelSpec.0.requestGPU: [2] is not of type 'integer'")
+               and p.endswith(f"(per {shown})") for p in problems)
+    assert any(p.startswith("servingEngineSpec.modelSpec.0.vllmConfig: Additional properties are not "
+                            "allowed ('maxModelLenn' was unexpected)") for p in problems)
+    assert (f"servingEngineSpec.modelSpec.0.vllmConfig: this object should not be valid under "
+            f"{{'required': ['v1']}} (per {shown})") in problems
+    assert len(problems) == 3
 
 
-def test_the_vendored_schema_is_the_one_its_provenance_names() -> None:
-    import hashlib
+def test_the_own_schema_names_its_chart_and_agrees_with_the_chart_model() -> None:
+    schema = validate.own_schema()
+    assert validate.CHART_VERSION in schema["$comment"] and validate.CHART_COMMIT in schema["$comment"]
+    fields = schema["$defs"]["vllmConfig"]["properties"]
+    for field in chart.FIELDS:  # every field chart.py lifts out of the argv is declared, typed alike
+        declared = fields[field.field]
+        kind = declared.get("type") or schema["$defs"][declared["$ref"].rsplit("/", 1)[1]]["type"]
+        assert kind == {int: "integer", str: "string"}[field.kind], field.field
 
-    path = ROOT / "vllmstack/export/schemas/production-stack/values.schema.json"
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    assert digest == validate.CHART_SCHEMA_SHA256
-    assert digest in (path.parent / "PROVENANCE.md").read_text()
+
+def stand_in_chart(gpu_type: str = "string") -> str:
+    """A chart's values.schema.json that wants requestGPU as `gpu_type` and knows no shmSize."""
+    return json.dumps({
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "type": "object",
+        "properties": {"servingEngineSpec": {"type": "object", "properties": {"modelSpec": {
+            "type": "array", "items": {"type": "object", "properties": {
+                "name": {"type": "string"}, "requestGPU": {"type": gpu_type}}}}}}},
+    })
+
+
+def test_a_chart_schema_the_user_names_is_applied_too(project: Project, tmp_path: Path) -> None:
+    file = tmp_path / "vllm-stack" / "values.schema.json"
+    file.parent.mkdir()
+    file.write_text(stand_in_chart())
+    for given in (file, file.parent):  # the file, or the folder `helm pull --untar` made
+        p = service.plan_export(project, service.PRODUCTION_STACK, [SEED[1]], SEED[0], [MODELS], ENV,
+                                RecordingRunner(), chart_schema=given)
+        (refused,) = [f for f in p.findings if f.severity == "error"]
+        assert refused.code == "export-chart-schema"
+        assert refused.message == (f"servingEngineSpec.modelSpec.0.requestGPU: 2 is not of type "
+                                   f"'string' (per {file})")
+        assert refused.fix and f"--version {validate.CHART_VERSION}" in refused.fix
+        undeclared = {f.message.split(":")[0] for f in p.findings if f.code == "export-chart-undeclared"}
+        assert "servingEngineSpec.modelSpec.0.shmSize" in undeclared
+        assert any(str(file) in how for how in p.validated)
+        with pytest.raises(ExportError):
+            service.export(project, p, tmp_path / "out")
+        assert not (tmp_path / "out").exists()
+    # The same chart with requestGPU as a number: the export goes through, the notes stay.
+    file.write_text(stand_in_chart("integer"))
+    p = service.plan_export(project, service.PRODUCTION_STACK, [SEED[1]], SEED[0], [MODELS], ENV,
+                            RecordingRunner(), chart_schema=file)
+    assert errors(p) == []
+    assert "export-chart-undeclared" in {f.code for f in p.findings}
+
+
+def test_a_chart_schema_that_cannot_be_used_stops_with_the_file_and_line(project: Project,
+                                                                          tmp_path: Path) -> None:
+    def refusal(path: Path, target: str = service.PRODUCTION_STACK) -> str:
+        with pytest.raises(ExportError) as caught:
+            service.plan_export(project, target, [SEED[1]], SEED[0], [MODELS], ENV, RecordingRunner(),
+                                chart_schema=path)
+        return caught.value.render()
+
+    broken = tmp_path / "values.schema.json"
+    broken.write_text('{\n  "type": "object",\n  "properties": {,}\n}\n')
+    assert f"error: {broken}:3: not JSON" in refusal(broken)
+    broken.write_text('{"type": 12}')
+    assert f"error: {broken}: not a JSON schema" in refusal(broken)
+    assert "cannot be read" in refusal(tmp_path / "absent.json")
+    assert "helm pull vllm/vllm-stack" in refusal(tmp_path / "absent.json")
+    assert "--to kube writes no chart values" in refusal(broken, service.KUBE)
 
 
 def test_the_task_writes_and_reports_and_refuses_with_error_and_fix(project: Project, tmp_path: Path) -> None:
@@ -403,4 +423,12 @@ def test_the_task_writes_and_reports_and_refuses_with_error_and_fix(project: Pro
                      "--set", MODELS, "--out", str(tmp_path / "chart"))
     assert refused.returncode == 1
     assert "export-chart-vllm-only" in refused.stderr and "fix:" in refused.stderr
+    assert not (tmp_path / "chart").exists()
+    stand_in = tmp_path / "values.schema.json"
+    stand_in.write_text(stand_in_chart())
+    checked = invoke("--to", "production-stack", "--platform", "2xr9700", "--model", "qwen3.8-27b",
+                     "--chart-schema", str(stand_in), "--out", str(tmp_path / "chart"))
+    assert checked.returncode == 1
+    assert (f"servingEngineSpec.modelSpec.0.requestGPU: 2 is not of type 'string' (per {stand_in})"
+            in checked.stderr)
     assert not (tmp_path / "chart").exists()

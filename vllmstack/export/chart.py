@@ -1,10 +1,11 @@
 """What vLLM's production-stack chart does with a `servingEngineSpec.modelSpec[]` entry.
 
-A transcription of the chart's templates at the vendored schema's commit (schemas/production-stack/
-PROVENANCE.md): `deployment-vllm-multi.yaml` (one Deployment per model) and `ray-cluster.yaml`
-(`raySpec.enabled`: a RayCluster whose head runs vLLM from a bash script). `chart_argv` renders
-the engine command those templates write from values, so an export is checked flag for flag
-against the profile's argv before it is written, and tests do the same from the written file.
+Read from the templates of chart 0.1.12 (validate.CHART_VERSION, CHART_COMMIT; the values side
+of the same reading is chart_values.schema.json): `deployment-vllm-multi.yaml` (one Deployment per
+model) and `ray-cluster.yaml` (`raySpec.enabled`: a RayCluster whose head runs vLLM from a bash
+script). `chart_argv` renders the engine command those templates write from values, so an export
+is checked flag for flag against the profile's argv before it is written, and tests do the same
+from the written file.
 
 What the templates do that matters here:
   * command: `vllm serve MODEL_URL --host 0.0.0.0 --port CONTAINER_PORT`, then the vllmConfig
@@ -25,8 +26,8 @@ from typing import Any
 
 
 # vllmConfig fields with a flag of their own, in the order the Deployment template writes them.
-# `kind` is how the field is written in values: int where the schema says integer (only when the
-# argv's text is that integer's own spelling), str where it takes a string.
+# `kind` is how the field is written in values: int where the chart takes an integer (only when
+# the argv's text is that integer's own spelling), str where it takes a string.
 @dataclass(frozen=True)
 class ChartField:
     field: str

@@ -53,19 +53,27 @@ class Exported:
 
 
 def plan_export(project: Project, target: str, models: Sequence[str | None], platform: str | None,
-                sets: Sequence[str], environ: Mapping[str, str], runner: Runner) -> Plan:
-    """Every document of the export, its findings and its validation, nothing written."""
+                sets: Sequence[str], environ: Mapping[str, str], runner: Runner,
+                chart_schema: Path | None = None) -> Plan:
+    """Every document of the export, its findings and its validation, nothing written;
+    `chart_schema`: the values.schema.json of the chart the user deploys (production-stack)."""
     profiles = [resolve(project, platform=platform, model=model, overrides=list(sets), environ=environ)
                 for model in models or [None]]
-    return plan_profiles(project, target, profiles, environ, runner)
+    return plan_profiles(project, target, profiles, environ, runner, chart_schema)
 
 
 def plan_profiles(project: Project, target: str, profiles: Sequence[Resolved],
-                  environ: Mapping[str, str], runner: Runner) -> Plan:
+                  environ: Mapping[str, str], runner: Runner, chart_schema: Path | None = None) -> Plan:
     """plan_export for profiles already resolved."""
     if target not in TARGETS:
         raise ExportError(f"{target!r} is not an export target" if target else "no export target given",
                           f"name one: --to {' | --to '.join(TARGETS)}")
+    if chart_schema is not None and target != PRODUCTION_STACK:
+        raise ExportError(f"--chart-schema is the production-stack chart's values schema; --to "
+                          f"{target} writes no chart values", f"leave --chart-schema out, or "
+                          f"export --to {PRODUCTION_STACK}")
+    # Read before any profile is planned: a schema that cannot be used stops at once.
+    chart = validate.load_chart_schema(chart_schema) if chart_schema is not None else None
     specs = [engine_spec(project, resolved, environ, runner) for resolved in profiles]
     names = [s.profile for s in specs]
     if len(set(names)) != len(names):
@@ -75,7 +83,7 @@ def plan_profiles(project: Project, target: str, profiles: Sequence[Resolved],
     for spec in specs:
         plan.findings += spec.findings
     if target == PRODUCTION_STACK:
-        _plan_chart(plan)
+        _plan_chart(plan, chart)
     elif target == KUBE:
         _plan_kube(plan)
     else:
@@ -91,19 +99,40 @@ def target_findings(project: Project, target: str, resolved: Resolved, environ: 
     return sort_findings(_unique([*findings, *planned.findings]))
 
 
-def _plan_chart(plan: Plan) -> None:
+def _plan_chart(plan: Plan, chart: tuple[Path, Any] | None) -> None:
     values, findings = helm.build_values(plan.specs)
     plan.findings += findings
     if not values:
         return
     _checked(plan, lambda: validate.validate_values(values),
-             f"values.yaml against the values.schema.json of production-stack's chart vllm-stack "
-             f"{validate.CHART_VERSION} (vllmstack/export/schemas), and only keys it declares")
+             f"values.yaml against the stack's schema of the values it writes for vllm-stack "
+             f"{validate.CHART_VERSION} ({validate.OWN_SCHEMA_SHOWN}: no key the chart would ignore)")
+    if values.get("extraObjects"):
+        _checked(plan, lambda: validate.validate_manifests(values["extraObjects"]),
+                 f"values.yaml's extraObjects with kubernetes-validate --strict, Kubernetes "
+                 f"{validate.KUBERNETES_VERSION}")
+    if chart is not None:
+        _plan_chart_schema(plan, values, *chart)
     profiles = ", ".join(s.profile for s in plan.specs)
     header = (f"# {MARKER} --to {PRODUCTION_STACK}` for {profiles} on {plan.specs[0].platform}.\n"
               f"# helm install vllm vllm/vllm-stack --version {validate.CHART_VERSION} -f values.yaml "
               "(README: When one box is not enough)\n")
     plan.files["values.yaml"] = header + _yaml(values)
+
+
+def _plan_chart_schema(plan: Plan, values: dict[str, Any], file: Path, validator: Any) -> None:
+    """The values against the user's own chart: what Helm would refuse the install for is an
+    error, a key that chart does not declare a warning (it may ignore it)."""
+    problems, undeclared = validate.validate_chart_values(values, file, validator)
+    plan.findings += [Finding("error", "export-chart-schema", problem, fix=(
+        f"this export writes values for vllm-stack {validate.CHART_VERSION}; install that version "
+        f"(helm pull vllm/vllm-stack --version {validate.CHART_VERSION} --untar), or report the "
+        "difference so the export follows the newer chart")) for problem in problems]
+    plan.findings += [Finding("warning", "export-chart-undeclared", note, fix=(
+        f"check that chart's templates for the key; vllm-stack {validate.CHART_VERSION} reads it"))
+        for note in undeclared]
+    plan.validated.append(f"values.yaml against {file} (the chart's own schema, as helm install "
+                          "applies it)")
 
 
 def _plan_kube(plan: Plan) -> None:

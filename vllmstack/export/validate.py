@@ -1,9 +1,11 @@
 """Offline validation of what `invoke export` writes, before it is written.
 
-  * production-stack values: the chart's own values.schema.json (vendored, schemas/
-    production-stack/PROVENANCE.md) through `jsonschema`, draft 2020-12; and, stricter than the
-    chart, every key we write must be one the schema declares (the chart ignores unknown keys
-    silently, so a misspelt one would be lost);
+  * production-stack values: the stack's own JSON schema of the values it writes
+    (chart_values.schema.json: the keys, types and required fields the export relies on, as this
+    stack reads chart CHART_VERSION; unknown keys refused where the chart would ignore them
+    silently) through `jsonschema`; and, when the user names it (`--chart-schema`), the
+    values.schema.json of the chart they deploy, which Helm itself applies at install. The chart's
+    own schema is not shipped here: it is another project's file;
   * Kubernetes manifests: `kubernetes-validate` in strict mode (no unknown fields) against the
     bundled OpenAPI schemas of KUBERNETES_VERSION;
   * Quadlet units: the keys of Podman 4.4's Quadlet, the sections, and the words of each line;
@@ -26,15 +28,23 @@ from typing import Any
 
 from vllmstack.core.runner import Runner
 from vllmstack.export.quadlet import QUADLET_44_KEYS
+from vllmstack.export.spec import ExportError
 
 KUBERNETES_VERSION = "1.33.0"
-CHART_SCHEMA = ("production-stack", "values.schema.json")
-CHART_VERSION = "0.1.12"  # vllm-stack's version at the vendored schema's commit (PROVENANCE.md)
-CHART_SCHEMA_SHA256 = "c6f98c9146c09e4ef01609afb9a1667da1694de3ca4d84247c942d875622a86a"
-# Keys the chart's templates read that its schema does not declare: ray-cluster.yaml reads
-# vllmConfig.v1 (VLLM_USE_V1), _helpers.tpl's chart.templateProbe a probe's timeoutSeconds.
+OWN_SCHEMA = "chart_values.schema.json"
+OWN_SCHEMA_SHOWN = f"vllmstack/export/{OWN_SCHEMA}"
+# The chart our schema and chart.py were read against (the schema's $comment names the same).
+CHART_VERSION = "0.1.12"
+CHART_COMMIT = "01eaf92cb895ececa44ee86083f11522adafbbc9"
+CHART_SCHEMA_NAME = "values.schema.json"  # where `helm pull --untar` puts it in the chart folder
+# Keys chart 0.1.12's templates read that its schema does not declare: ray-cluster.yaml reads
+# vllmConfig.v1 (VLLM_USE_V1), _helpers.tpl's probe helper a probe's timeoutSeconds. Against a
+# user's chart schema they are not reported as undeclared.
 UNDECLARED_BUT_READ = {("servingEngineSpec", "modelSpec", "*", "vllmConfig", "v1"),
+                       ("servingEngineSpec", "startupProbe", "timeoutSeconds"),
+                       ("servingEngineSpec", "readinessProbe", "timeoutSeconds"),
                        ("servingEngineSpec", "livenessProbe", "timeoutSeconds")}
+MESSAGE_CHARS = 240  # jsonschema quotes the offending value; a ConfigMap's would fill a screen
 UNIT_SECTIONS = ("Unit", "Container", "Service", "Install")
 # Where distributions install Quadlet (Fedora/RHEL/Debian 13: libexec; Arch, openSUSE: lib).
 QUADLET_BINARIES = ("/usr/libexec/podman/quadlet", "/usr/lib/podman/quadlet")
@@ -45,33 +55,101 @@ class ValidatorMissingError(Exception):
     """A validator library is not installed; the message names it."""
 
 
+class ChartSchemaError(ExportError):
+    """The chart schema named with --chart-schema cannot be read or is not a JSON schema."""
+
+
 @functools.cache
-def chart_schema() -> dict[str, Any]:
-    folder, name = CHART_SCHEMA
-    text = (resources.files("vllmstack.export") / "schemas" / folder / name).read_text(encoding="utf-8")
+def own_schema() -> dict[str, Any]:
+    text = (resources.files("vllmstack.export") / OWN_SCHEMA).read_text(encoding="utf-8")
     schema: dict[str, Any] = json.loads(text)
     return schema
 
 
-def validate_values(values: dict[str, Any]) -> list[str]:
-    """Problems of a values document against the chart's schema, one line each."""
+def _jsonschema() -> Any:
     try:
         import jsonschema
     except ImportError as exc:
         raise ValidatorMissingError(f"jsonschema is not installed ({EXTRA_HINT})") from exc
-    schema = chart_schema()
-    validator = jsonschema.Draft202012Validator(schema)
-    problems = [f"{'.'.join(str(p) for p in e.absolute_path) or '(top)'}: {e.message}"
-                for e in sorted(validator.iter_errors(values), key=lambda e: list(e.absolute_path))]
-    problems += [f"{'.'.join(path)}: not a key the chart's schema declares"
-                 for path in undeclared_keys(values, schema, ())]
+    return jsonschema
+
+
+def validate_values(values: dict[str, Any]) -> list[str]:
+    """Problems of a values document against the stack's own schema of them, one line each."""
+    jsonschema = _jsonschema()
+    return schema_problems(values, jsonschema.Draft202012Validator(own_schema()), OWN_SCHEMA_SHOWN)
+
+
+def schema_problems(values: dict[str, Any], validator: Any, shown: str) -> list[str]:
+    """`PATH.IN.VALUES: what is wrong (per SCHEMA FILE)`, one line per problem, in path order."""
+    problems = []
+    for error in sorted(validator.iter_errors(values), key=_path_order):
+        message = error.message
+        quoted = repr(error.instance)
+        if isinstance(error.instance, (dict, list)) and message.startswith(quoted) and len(quoted) > 40:
+            # "{...the whole vllmConfig...} should not be valid under ...": the path names it
+            kind = "object" if isinstance(error.instance, dict) else "list"
+            message = f"this {kind}{message[len(quoted):]}"
+        if len(message) > MESSAGE_CHARS:
+            message = message[:MESSAGE_CHARS] + "..."
+        problems.append(f"{_dotted(error.absolute_path)}: {message} (per {shown})")
     return problems
 
 
-def undeclared_keys(value: Any, schema: dict[str, Any], path: tuple[str, ...]) -> list[tuple[str, ...]]:
+def _path_order(error: Any) -> list[str]:
+    return [f"{p:09d}" if isinstance(p, int) else str(p) for p in error.absolute_path]
+
+
+def _dotted(path: Sequence[Any]) -> str:
+    return ".".join(str(p) for p in path) or "(top)"
+
+
+def load_chart_schema(path: Path) -> tuple[Path, Any]:
+    """The chart's values.schema.json (a file, or the chart folder `helm pull --untar` makes) and
+    a validator for it; ChartSchemaError naming the file, and the line for bad JSON."""
+    file = path / CHART_SCHEMA_NAME if path.is_dir() else path
+    fix = (f"pass the chart's own schema: helm pull vllm/vllm-stack --version {CHART_VERSION} "
+           f"--untar, then --chart-schema vllm-stack/{CHART_SCHEMA_NAME}")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ChartSchemaError(f"--chart-schema {file}: cannot be read ({reason})", fix) from None
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ChartSchemaError(f"{file}:{exc.lineno}: not JSON ({exc.msg})", fix) from None
+    if not isinstance(schema, dict):
+        raise ChartSchemaError(f"{file}: not a JSON schema (the document is not an object)", fix)
+    try:
+        jsonschema = _jsonschema()
+    except ValidatorMissingError as exc:
+        raise ChartSchemaError(f"--chart-schema {file}: {exc}", EXTRA_HINT) from None
+    # The chart's file names its draft ($schema); one that does not is read as 2020-12.
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    try:
+        cls.check_schema(schema)
+    except jsonschema.exceptions.SchemaError as exc:
+        where = _dotted(exc.absolute_path)
+        raise ChartSchemaError(f"{file}: not a JSON schema ({where}: {exc.message})", fix) from None
+    return file, cls(schema)
+
+
+def validate_chart_values(values: dict[str, Any], file: Path, validator: Any) -> tuple[list[str], list[str]]:
+    """The values against the user's chart schema: (problems Helm would refuse the install for,
+    keys the schema does not declare, which that chart may ignore)."""
+    problems = schema_problems(values, validator, str(file))
+    undeclared = [f"{'.'.join(path)}: not a key {file} declares; that chart may ignore it"
+                  for path in undeclared_keys(values, validator.schema, ())]
+    return problems, undeclared
+
+
+def undeclared_keys(value: Any, schema: Any, path: tuple[str, ...]) -> list[tuple[str, ...]]:
     """Paths of mapping keys under an object whose schema lists its properties but not them."""
     out: list[tuple[str, ...]] = []
-    if isinstance(value, dict) and "properties" in schema:
+    if not isinstance(schema, dict):
+        return out
+    if isinstance(value, dict) and isinstance(schema.get("properties"), dict):
         for key, item in value.items():
             here = (*path, str(key))
             generic = tuple("*" if p.isdigit() else p for p in here)
