@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,7 @@ from vllmstack.runtime.native.install import (
     wheel_fits_python,
 )
 from vllmstack.runtime.native.procs import ProcTable
+from vllmstack.runtime.native.records import MARKER_VAR, marker_prefix
 
 PY = "/usr/bin/python3.12"
 PACKAGES = [{"name": "vllm", "version": "0.31.0"}, {"name": "torch", "version": "2.13.0"},
@@ -108,16 +110,24 @@ def test_a_second_install_is_a_no_op_without_force_and_replaces_with_it(project:
 def test_force_refuses_to_replace_the_environment_of_a_running_engine(project: Project) -> None:
     install(project, fake_host(project))
     folder = engine_dir(project, "0.31.0")
-    me = ProcTable().get(os.getpid())
-    assert me is not None
-    record = project.generated / "native" / "engine.json"
-    record.parent.mkdir(parents=True)
-    record.write_text(json.dumps({"pid": os.getpid(), "start_ticks": me.start_ticks,
-                                  "boot_id": ProcTable().boot_id(), "marker": "m" * 32,
-                                  "argv": [str(folder / "bin/vllm"), "serve", "m"]}))
-    with pytest.raises(EngineInstallError) as err:
-        install(project, fake_host(project), force=True)
-    assert f"(pid {os.getpid()}) runs from" in err.value.cause
+    # The engine: a process that carries this checkout's marker, as the keeper starts it.
+    marker = marker_prefix(project) + "m" * 24
+    engine = subprocess.Popen(["sleep", "60"], env={MARKER_VAR: marker})
+    try:
+        time.sleep(0.1)
+        me = ProcTable().get(engine.pid)
+        assert me is not None
+        record = project.generated / "native" / "engine.json"
+        record.parent.mkdir(parents=True)
+        record.write_text(json.dumps({"pid": engine.pid, "start_ticks": me.start_ticks,
+                                      "boot_id": ProcTable().boot_id(), "marker": marker,
+                                      "argv": [str(folder / "bin/vllm"), "serve", "m"]}))
+        with pytest.raises(EngineInstallError) as err:
+            install(project, fake_host(project), force=True)
+    finally:
+        engine.kill()
+        engine.wait()
+    assert f"(pid {engine.pid}) runs from" in err.value.cause
     assert err.value.fix == "stop it first: invoke down"
     assert read_manifest(folder) is not None
 

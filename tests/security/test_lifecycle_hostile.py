@@ -447,6 +447,21 @@ def test_a_hostile_exit_file_lock_file_or_router_file_means_nothing_is_known(
     assert read_exit_code(exit_file, record) == 3  # the reserved slot's padding is fine
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_install_records_and_doctor_read_hostile_files_as_nothing(project: Project,
+                                                                  tmp_path: Path, kind: str) -> None:
+    from vllmstack.checks.host.doctor import previous_up
+    from vllmstack.runtime.native import install, llamacpp_build
+
+    folder = tmp_path / "engine"
+    write_hostile(folder / install.MANIFEST, kind)
+    write_hostile(folder / llamacpp_build.BUILD_INFO, kind)
+    write_hostile(project.generated / "state.json", kind)
+    assert install.read_manifest(folder) is None
+    assert llamacpp_build.read_build_info(folder) is None
+    assert previous_up(project) == {}
+
+
 def test_the_keeper_refuses_a_hostile_launch_spec(project: Project) -> None:
     spec = project.generated / "native" / "launch.json"
     for content in (DEEP, "[]", '{"argv": NaN}'):

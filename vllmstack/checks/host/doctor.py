@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from vllmstack.checks.host.tools import (
     runtime_choice,
 )
 from vllmstack.config.profiles import Resolved
+from vllmstack.core.files import JsonFileError, read_json_file
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner
 
@@ -30,8 +30,8 @@ STATE_FILE = "state.json"
 def previous_up(project: Project) -> dict[str, Any]:
     """What the last `up` recorded about its runtime; {} when nothing usable is there."""
     try:
-        data = json.loads((project.generated / STATE_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        data = read_json_file(project.generated / STATE_FILE)
+    except JsonFileError:  # damaged: up and down name it; doctor only reports
         return {}
     if not isinstance(data, dict):
         return {}

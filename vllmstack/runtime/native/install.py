@@ -26,7 +26,7 @@ from typing import Any, TextIO
 from vllmstack.config.profiles import Resolved
 from vllmstack.core.checkout import holds_stack_lock
 from vllmstack.core.errors import StackError
-from vllmstack.core.files import write_json
+from vllmstack.core.files import JsonFileError, read_json_file, write_json
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner
 from vllmstack.image.cpu import CPU_PACKAGE, TORCH_CPU_INDEX, is_cpu_build, public_version
@@ -70,9 +70,9 @@ def engine_binary(project: Project, version: str) -> Path:
 
 
 def read_manifest(folder: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads((folder / MANIFEST).read_text())
-    except (OSError, ValueError):
+    try:  # damaged (cut short, deep, not JSON): not a finished install
+        data = read_json_file(folder / MANIFEST)
+    except JsonFileError:
         return None
     return data if isinstance(data, dict) else None
 

@@ -8,10 +8,10 @@ here, before anything starts.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from vllmstack.core.files import JsonFileError, read_json_file
 from vllmstack.core.paths import Project
 
 BUILD_INFO = "build.json"
@@ -28,8 +28,8 @@ def server_binary(project: Project, ref: str, backend: str) -> Path:
 def read_build_info(folder: Path) -> dict[str, Any] | None:
     """build.json of a finished build, or None (absent, unreadable: not a finished build)."""
     try:
-        data = json.loads((folder / BUILD_INFO).read_text())
-    except (OSError, ValueError):
+        data = read_json_file(folder / BUILD_INFO)
+    except JsonFileError:
         return None
     return data if isinstance(data, dict) else None
 

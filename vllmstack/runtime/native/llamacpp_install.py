@@ -16,7 +16,6 @@ of the same ref and backend is a no-op unless `force`.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import re
@@ -31,7 +30,7 @@ from vllmstack.config.engine import llamacpp_backend
 from vllmstack.config.profiles import Resolved
 from vllmstack.core.checkout import holds_stack_lock
 from vllmstack.core.errors import StackError
-from vllmstack.core.files import write_json
+from vllmstack.core.files import JsonFileError, read_json_file, write_json
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner, format_command
 from vllmstack.image.llamacpp_source import TARGET, cmake_args, patch_folder, prepare_source, source_dir
@@ -199,8 +198,8 @@ def _reset_if_reconfigured(build: Path, configure: list[str], say: Callable[[str
     """A build folder configured with other arguments is started over: CMake's cache would keep
     a value that was dropped from the arguments (say, an extra -DGGML_... of an earlier run)."""
     try:
-        before = json.loads((build / ARGS_FILE).read_text())
-    except (OSError, ValueError):
+        before = read_json_file(build / ARGS_FILE, expect_object=False)
+    except JsonFileError:
         before = None
     if build.exists() and before != configure:
         say(f"starting the build folder {build} over (configured differently before)")
