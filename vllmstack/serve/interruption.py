@@ -37,7 +37,7 @@ def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     raise UpInterruptedError(
         "`invoke up` was stopped by SIGTERM (an `invoke down`, or a kill) before the engine was "
-        "ready; the engine it had started is stopped",
+        "ready; whatever it had started is stopped",
         "run `invoke up` again when you want the engine")
 
 
