@@ -9,8 +9,12 @@ set in order for a ref given as tag, branch or commit.
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import shutil
 import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +22,8 @@ from pathlib import Path
 import helpers
 import pytest
 from conftest import ROOT, need
+
+from vllmstack.image import build, cpu
 
 BASE_IMAGE = "vllmstack/base:bookworm"
 # The build sees no variable of the caller's environment.
@@ -170,3 +176,46 @@ def test_overlay_mounts_through_the_vllm_package_symlink(tmp_path: Path, tag: st
     assert mounted.returncode == 0, mounted.stderr
     # Imported from the real site-packages path, with the overlay's content.
     assert mounted.stdout.startswith("overlay /usr/"), mounted.stdout
+
+
+def test_cpu_target_fetches_the_pinned_sdist_and_patches_the_verified_tree(tmp_path: Path) -> None:
+    """`invoke build --platform cpu --target vllm-source`: the real command up to the patch stage.
+
+    The sdist is checked against its pin inside the build and made into the same commit the host
+    verified the patches on; the patch-set sum the wheel version takes is the label's."""
+    need(docker_ok(), f"a Docker engine and the {BASE_IMAGE} image are needed")
+    root = helpers.copy_project(tmp_path / "stack")
+    for name in (build.BUILD_FILE, ".dockerignore"):
+        shutil.copy(ROOT / name, root / name)
+    (root / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "apply-patches.py", root / "scripts" / "apply-patches.py")
+    inputs = ROOT / ".cache" / cpu.INPUTS
+    if inputs.is_dir():  # what an earlier build fetched (else the command downloads it)
+        (root / ".cache" / cpu.INPUTS).mkdir(parents=True)
+        for path in inputs.iterdir():
+            os.link(path, root / ".cache" / cpu.INPUTS / path.name)
+    tag = f"vllmstack-test/cpu-source:{uuid.uuid4().hex[:10]}"
+    helpers.write_dotenv(root, {"PLATFORM": "cpu", "MODEL_PROFILE": "tiny", "VLLM_IMAGE": tag,
+                                "DOCKER": helpers.DOCKER})
+    try:
+        done = subprocess.run([sys.executable, "-m", "invoke", "build", "--target", "vllm-source"],
+                              cwd=root, capture_output=True, text=True, timeout=1200, check=False)
+        log = done.stdout + done.stderr
+        assert done.returncode == 0, log[-4000:]
+        labels = json.loads(docker("image", "inspect", "--format", "{{json .Config.Labels}}",
+                                   tag, timeout=30).stdout)
+        assert labels["vllmstack.target"] == "cpu"
+        # (The steps may come from the layer cache, so the image is read, not the log.)
+        shown = docker("run", "--rm", tag, "sh", "-c", "cat /src/vllm-patchset.sha256; "
+                       "git -C /src/vllm rev-parse HEAD; git -C /src/vllm diff --name-only")
+        patchset, commit, *changed = shown.stdout.split()
+        assert patchset == labels["vllmstack.patches.vllm"]
+        assert commit == labels["vllmstack.commit.vllm"]  # the tree the patches were verified on
+        assert labels["vllmstack.vllm-wheel-version"].endswith(f"+cpu.p{patchset[:8]}")
+        # Every listed patch was applied: its files differ from the sdist's.
+        for name in labels["vllmstack.patch-list.vllm"].split(","):
+            text = (root / "patches" / "vllm" / name).read_text()
+            for path in re.findall(r"^\+\+\+ b/(\S+)", text, re.M):
+                assert path in changed, (name, path)
+    finally:
+        docker("image", "rm", "-f", tag)
