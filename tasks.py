@@ -188,7 +188,7 @@ def exec_(c: Context, runtime: Opt = None) -> None:
 
 @stack_task(help={"runtime": LIFECYCLE_HELP["runtime"], "dry_run": LIFECYCLE_HELP["dry_run"]})
 def clear_caches(c: Context, runtime: Opt = None, dry_run: bool = False) -> None:
-    """Delete the engine's compile and JIT caches (vLLM, Triton, Inductor, AITER); keeps models."""
+    """Delete the engine's compile caches (vLLM, Triton, Inductor, AITER) and temp files; keeps models."""
     _lifecycle().clear_caches(_stack(None, None, None, runtime, dry_run), dry_run=dry_run)
 
 

@@ -94,3 +94,39 @@ def test_bench_vs_picks_the_platform_every_target_is_made_for(project: Project) 
         assert "--platform" in (exc.fix or "") and "nvidia" in exc.cause
     else:
         raise AssertionError("several shared platforms, none .env's: ask which")
+
+
+def test_engine_temp_files_and_compile_caches_stay_in_the_stacks_cache(project: Project) -> None:
+    """Issue 23: every vLLM start left /tmp/vllm_dist_<hex>, and the first boot wrote 149 MB of
+    precompiled headers to /tmp/torchinductor_root (both from tempfile.gettempdir())."""
+    import yaml
+
+    from vllmstack.runtime import engine_env
+    from vllmstack.runtime.native.command import native_serve_command
+
+    environ = {"HOME": str(project.root / "home")}
+    resolved = resolve(project, platform="cpu", model="tiny", environ=environ)
+    command = native_serve_command(project, resolved, environ)
+    cache = project.root / "home" / ".cache" / "vllmstack-engine" / "native" / "vllm-0.32.0+cpu"
+    for key, sub in (("TMPDIR", "tmp"), ("TORCHINDUCTOR_CACHE_DIR", "torchinductor"),
+                     ("TRITON_CACHE_DIR", "triton"), ("VLLM_CACHE_ROOT", "vllm")):
+        assert command.env[key] == str(cache / sub)
+        assert cache / sub in command.cache_dirs  # made before the start: else /tmp again
+    gguf = native_serve_command(project, resolve(project, platform="cpu", model="tiny-gguf",
+                                                 environ=environ), environ)
+    assert gguf.env["TMPDIR"].startswith(str(cache.parent)) and \
+        Path(gguf.env["TMPDIR"]) in gguf.cache_dirs
+    # The container runtimes: the same folder names under the mounted engine cache.
+    service = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]["vllm"]
+    assert service["environment"]["TMPDIR"] == "/cache/engine/tmp"
+    assert "tmp" in engine_env.ENGINE_CACHE_SUBDIRS and "tmp" in engine_env.CLEARED_SUBDIRS
+    # clear-caches empties them, the models stay.
+    paths = engine_env.stack_paths(resolved, environ)
+    (paths.engine_cache / "tmp").mkdir(parents=True)
+    (paths.engine_cache / "tmp" / "vllm_dist_0").write_text("x")
+    (cache / "tmp").mkdir(parents=True)
+    (paths.hf_cache / "hub").mkdir(parents=True)
+    done = engine_env.clear_engine_caches(paths, dry_run=False)
+    assert any(line.endswith("/tmp") for line in done) and any("native" in line for line in done)
+    assert not (paths.engine_cache / "tmp").exists() and not cache.exists()
+    assert (paths.hf_cache / "hub").is_dir()

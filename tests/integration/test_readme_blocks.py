@@ -163,6 +163,7 @@ def test_the_readme_walk_runs_as_written_on_a_fresh_clone(tmp_path: Path) -> Non
     env.update(HOME=str(home), PIP_CACHE_DIR=os.environ.get("PIP_CACHE_DIR")
                or str(Path.home() / ".cache" / "pip"), PIP_DISABLE_PIP_VERSION_CHECK="1")
     walked = walk()
+    before = set(Path("/tmp").glob("vllm_dist_*"))  # every vLLM start made one there (issue 23)
     (tmp_path / "walk.sh").write_text(script(walked))
     log = tmp_path / "walk.log"
     started = time.monotonic()
@@ -191,6 +192,8 @@ def test_the_readme_walk_runs_as_written_on_a_fresh_clone(tmp_path: Path) -> Non
     where = f"line {failed[0]} ({failed[1]})" if failed else f"exit {code}"
     assert code == 0, f"the README walk failed at {where}; its output ends:\n{said[-6000:]}"
     assert left == [], f"processes of the clone left after the walk: {left}"
+    assert set(Path("/tmp").glob("vllm_dist_*")) <= before, "an engine wrote into /tmp"
+    assert list((home / ".cache" / "vllmstack-engine" / "native").glob("vllm-*/tmp/vllm_dist_*"))
     status = subprocess.run(["git", "status", "--porcelain", "--ignore-submodules"], cwd=clone,
                             capture_output=True, text=True, check=True).stdout
     assert status == "", f"the walk left the clone dirty:\n{status}"

@@ -23,7 +23,24 @@ from vllmstack.core.files import ENV_KEY as ENV_NAME
 from vllmstack.core.paths import home_dir
 
 FP8_CONFIG_DIR = "model_executor/layers/quantization/utils/configs"
-ENGINE_CACHE_SUBDIRS = ("home", "vllm", "triton", "torchinductor", "aiter/jit")
+# Under the engine cache (mounted at /cache/engine in a container): compose.yaml points HOME,
+# VLLM_CACHE_ROOT, TRITON_CACHE_DIR, TORCHINDUCTOR_CACHE_DIR, AITER_JIT_DIR and TMPDIR here.
+ENGINE_CACHE_SUBDIRS = ("home", "vllm", "triton", "torchinductor", "aiter/jit", "tmp")
+# What `clear-caches` deletes: every folder above but the models, and the native runtime's.
+CLEARED_SUBDIRS = ("vllm", "triton", "torchinductor", "aiter", "home", "tmp", "native")
+
+
+def native_cache_env(cache: Path) -> dict[str, str]:
+    """Where a native engine keeps its compile caches and temporary files: all in `cache` (its
+    version's folder of the engine cache), as a container's are in /cache/engine.
+
+    TMPDIR too: vLLM writes /tmp/vllm_dist_<hex> at every start (its process group's store,
+    from tempfile.gettempdir()), and torch inductor its precompiled headers into
+    /tmp/torchinductor_<user> (149 MB at the first boot on the CPU; it ignores
+    TORCHINDUCTOR_CACHE_DIR for them). Kept there, the headers are reused by the next boot."""
+    return {"VLLM_CACHE_ROOT": str(cache / "vllm"), "TRITON_CACHE_DIR": str(cache / "triton"),
+            "TORCHINDUCTOR_CACHE_DIR": str(cache / "torchinductor"),
+            "AITER_JIT_DIR": str(cache / "aiter" / "jit"), "TMPDIR": str(cache / "tmp")}
 
 
 class CacheDirError(StackError):
@@ -143,7 +160,7 @@ def _writable_by(stat: os.stat_result, ids: HostIds) -> bool:
 def clear_engine_caches(paths: StackPaths, *, dry_run: bool) -> list[str]:
     """Delete the engine's compile and JIT caches (never the Hugging Face cache); one line each."""
     done = []
-    for sub in ("vllm", "triton", "torchinductor", "aiter", "home", "native"):
+    for sub in CLEARED_SUBDIRS:
         folder = paths.engine_cache / sub
         if not folder.exists():
             continue

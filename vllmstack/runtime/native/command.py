@@ -16,7 +16,12 @@ from vllmstack.config.vllm_args import ArgvError, build_serve_argv
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import format_command
 from vllmstack.image import patches
-from vllmstack.runtime.engine_env import FP8_CONFIG_DIR, engine_environment, stack_paths
+from vllmstack.runtime.engine_env import (
+    FP8_CONFIG_DIR,
+    engine_environment,
+    native_cache_env,
+    stack_paths,
+)
 from vllmstack.runtime.native import install, llamacpp_build
 from vllmstack.runtime.native.procs import NativeError
 
@@ -68,14 +73,12 @@ def native_serve_command(project: Project, resolved: Resolved,
     # Compile caches per engine version: a host venv has other torch/Triton/AITER builds than the
     # image, and AITER's JIT modules are not keyed by version. Models are shared with containers.
     cache = paths.engine_cache / "native" / f"vllm-{version or 'custom'}"
-    cache_dirs = [paths.hf_cache, cache / "vllm", cache / "triton", cache / "torchinductor",
-                  cache / "aiter" / "jit"]
+    caches = native_cache_env(cache)
+    # Made before the start: a TMPDIR that does not exist sends tempfile back to /tmp.
+    cache_dirs = [paths.hf_cache, *(Path(folder) for folder in caches.values())]
     env = {
         "HF_HOME": str(paths.hf_cache),
-        "VLLM_CACHE_ROOT": str(cache / "vllm"),
-        "TRITON_CACHE_DIR": str(cache / "triton"),
-        "TORCHINDUCTOR_CACHE_DIR": str(cache / "torchinductor"),
-        "AITER_JIT_DIR": str(cache / "aiter" / "jit"),
+        **caches,
         "VLLM_TUNED_CONFIG_FOLDER": str((project.root / "fused_moe_configs").resolve()),
         # User-site packages (~/.local) would shadow the environment's own.
         "PYTHONNOUSERSITE": "1",
@@ -113,10 +116,10 @@ def native_llamacpp_command(project: Project, resolved: Resolved,
     except ArgvError as exc:
         raise NativeError(str(exc), "fix the value named above (`invoke check` shows them all)") from exc
     cache = paths.engine_cache / "native" / f"llamacpp-{ref}-{backend}"
-    env = {"HF_HOME": str(paths.hf_cache), "LLAMA_CACHE": str(cache)}
+    env = {"HF_HOME": str(paths.hf_cache), "LLAMA_CACHE": str(cache), "TMPDIR": str(cache / "tmp")}
     env.update(engine_environment(resolved, load_schema()))
     return NativeCommand([*prefix, *serve.argv[1:]], env, f"llamacpp-{ref}-{backend}", None,
-                         [cache], problem=problem, install_fix=install_fix)
+                         [cache, cache / "tmp"], problem=problem, install_fix=install_fix)
 
 
 def _unapplied_files(project: Project, resolved: Resolved, fp8_dir: str) -> list[str]:
