@@ -130,3 +130,18 @@ def test_engine_temp_files_and_compile_caches_stay_in_the_stacks_cache(project: 
     assert any(line.endswith("/tmp") for line in done) and any("native" in line for line in done)
     assert not (paths.engine_cache / "tmp").exists() and not cache.exists()
     assert (paths.hf_cache / "hub").is_dir()
+
+
+def test_every_dashboard_reads_the_history_from_results(project: Project) -> None:
+    """The native side-car, `invoke dashboard` and compose.yaml's mount: results/, not benchmarks/."""
+    import yaml
+
+    from vllmstack.dashboard.__main__ import settings_for_stack
+    from vllmstack.runtime.native.dashboard import NativeDashboard
+
+    resolved = resolve(project, platform="cpu", model="tiny")
+    argv = NativeDashboard(project, RecordingRunner()).argv(resolved, "http://127.0.0.1:1")
+    assert argv[argv.index("--history-dir") + 1] == str(project.results)
+    assert settings_for_stack(project, {}).history_dir == project.results
+    volumes = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]["dashboard"]["volumes"]
+    assert "./results:/app/benchmarks" in volumes

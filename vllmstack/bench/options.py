@@ -212,7 +212,7 @@ TIMEOUT = Option("timeout", "total seconds per request, start to last byte; a se
                  "the connection busy (keep-alive comments, trickled bytes) cannot extend it",
                  value_type=float, default=600.0, group=TARGET, minimum=0, above=True,
                  maximum=MAX_SECONDS)
-HISTORY_DIR = Option("history_dir", "history folder (default: benchmarks/)", value_type=Path)
+HISTORY_DIR = Option("history_dir", "history folder (default: results/)", value_type=Path)
 NO_HISTORY = Option("no_history", "do not append to history", flag=True, task=False)
 JSON = Option("json", "print one JSON document on stdout (progress goes to stderr)", flag=True)
 

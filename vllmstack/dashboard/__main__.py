@@ -41,7 +41,7 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Dashboard
                         help="folder for the record of the running benchmark, so a dashboard "
                              "started after a killed one finds it (default: --history-dir)")
     parser.add_argument("--history-dir", type=Path, required=True,
-                        help="folder with the benchmark history files (normally benchmarks/)")
+                        help="folder with the benchmark history files (normally results/)")
     parser.add_argument("--exposure", default=environ.get("DASHBOARD_BIND") or None,
                         help="address users reach the dashboard on when it differs from --host "
                              "(a container binds 0.0.0.0 behind a 127.0.0.1 port); decides "

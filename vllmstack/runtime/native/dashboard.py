@@ -27,7 +27,7 @@ from typing import TextIO
 
 from vllmstack.config.profiles import Resolved
 from vllmstack.core.files import FileWriteError, remove_file, tail_lines, write_json
-from vllmstack.core.paths import Project
+from vllmstack.core.paths import Project, results_folder
 from vllmstack.core.runner import Runner
 from vllmstack.observe.health import health_status, port_answers
 from vllmstack.runtime.native.keeper import keeper_failure
@@ -102,7 +102,7 @@ class NativeDashboard:
                 "--host", resolved.get_str("DASHBOARD_BIND"),
                 "--port", resolved.get_str("DASHBOARD_PORT"),
                 "--engine-url", engine_url,
-                "--history-dir", str(self.project.benchmarks),
+                "--history-dir", str(results_folder(self.project)),
                 "--state-dir", str(self.folder)]
         tokenizer = resolved.get_raw("VLLM_TOKENIZER") or resolved.get_raw("VLLM_MODEL")
         if tokenizer:
