@@ -150,6 +150,7 @@ class RunManager:
         self._table = table or ProcTable()
         # A run an earlier dashboard started and left behind: (pid, start ticks, marker).
         self._adopted: tuple[int, int, str] | None = None
+        self._adopted_cancelled = False  # its end is then "cancelled", whoever sees it first
         self._adopt()
 
     @property
@@ -356,6 +357,7 @@ class RunManager:
             if self._adopted != adopted:
                 return
             state = self._states[kind]
+            status = "cancelled" if self._adopted_cancelled else status
             state.status, state.ended_at = status, time.time()
             state.append(f"[{status}]\n")
             self._active, self._adopted = None, None
@@ -364,6 +366,7 @@ class RunManager:
     def _stop_adopted(self, kind: str, adopted: tuple[int, int, str]) -> None:
         pid = adopted[0]
         with self._lock:
+            self._adopted_cancelled = True
             self._states[kind].append("[cancel requested: SIGTERM to the run's process group]\n")
         for sig, wait in ((signal.SIGTERM, self._grace), (signal.SIGKILL, 5.0)):
             if not self._same(*adopted):
