@@ -38,7 +38,9 @@ FLEET_HELP = {"platform": "platform layer (default: PLATFORM in .env)",
     "target": "ENGINE:PROFILE, repeatable (e.g. -t vllm:qwen3-0.6b -t llamacpp:qwen3-0.6b-gguf)",
     "ctx": "prompt tokens of the long-context decode column",
     "concurrency": "streams of the aggregate column",
-    "think": "leave thinking on (default: chat_template_kwargs.enable_thinking=false)"})
+    "think": "leave thinking on (default: chat_template_kwargs.enable_thinking=false)",
+    "platform": "platform layer (default: PLATFORM in .env when every target is made for it, "
+                "else the one platform they all are made for)"})
 def bench_vs(c: Context, target: Sets = None, ctx: int = 8000, concurrency: int = 4,
              think: bool = False, platform: Opt = None, runtime: Opt = None,
              json: bool = False) -> None:
