@@ -48,8 +48,9 @@ def test_without_dotenv_the_example_is_used_and_said(project: Project) -> None:
 
 
 def test_unknown_selection_lists_what_exists(project: Project) -> None:
-    with pytest.raises(ProfileError, match=r"unknown model 'qwen9'.*qwen3-0.6b.*--model"):
+    with pytest.raises(ProfileError, match=r"unknown model 'qwen9'.*qwen3-0.6b") as caught:
         resolve(project, model="qwen9")
+    assert caught.value.fix == "choose one with --model NAME"  # the tasks' fix: line
     with pytest.raises(ProfileError, match=r"unknown platform 'mi300'.*2xr9700"):
         resolve(project, platform="mi300")
 
