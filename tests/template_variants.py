@@ -22,6 +22,11 @@ VARIANTS: dict[str, tuple[str, str, str]] = {
     "ignores-enable-thinking": (
         "{%- set thinking = not (", "{%- set thinking = true or not (", "thinking-off"),
     "never-shows-tools": ("    {{- tool_section() -}}\n", "", "tools"),
+    # Tool results cut to a fixed length (long JSON results lose their tail).
+    "truncates-tool-results": (
+        "{{- '\\n<tool_response>\\n' ~ text_of(message.content) ~ '\\n</tool_response>' -}}",
+        "{{- '\\n<tool_response>\\n' ~ text_of(message.content)[:400] ~ '\\n</tool_response>' -}}",
+        "tools"),
     # `| length` of a null content: a TypeError, as `message.content + ...` would be.
     "fails-on-null-content": (
         "{%- set content = text_of(message.content) -%}",

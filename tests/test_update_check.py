@@ -141,3 +141,31 @@ def test_the_watchlist_is_read_from_agents_md() -> None:
     numbers = [n for item in items for _, n in item.references]
     assert 35288 in numbers and 45238 in numbers
     assert all(repo == "vllm-project/vllm" for item in items for repo, _ in item.references)
+
+
+@pytest.mark.slow
+def test_the_candidates_own_parser_checks_every_profile_when_it_is_installed(tmp_path: Path) -> None:
+    """vLLM 0.32.0's parser from the native CPU engine (tests/integration/test_real_cpu_engine.py
+    provisions it): a flag that release does not know is named, with the profile."""
+    from conftest import need
+
+    from vllmstack.core.paths import Project
+    from vllmstack.runtime.native.install import engine_dir, read_manifest
+
+    engine = engine_dir(Project(ROOT), "0.32.0+cpu")
+    need(read_manifest(engine) is not None, "vLLM's CPU build 0.32.0 (invoke install-engine --platform cpu)")
+    repo = tmp_path / "vllm"
+    repo.mkdir()
+    git(repo, "init", "-q")
+    commit(repo, {"a": "1\n"}, "v0.31.0")
+    commit(repo, {"a": "2\n"}, "v0.32.0")
+    root = copy_project(tmp_path / "stack")
+    (root / ".cache" / "engines").mkdir(parents=True)
+    (root / ".cache" / "engines" / engine.name).symlink_to(engine)
+    args = ("--repo", f"vllm={repo}", "--set", "VLLM_REF=v0.31.0", "--set", "VLLM_VERSION=0.31.0",
+            "--model", "tiny", "--json")
+    fine = json.loads(run_check(root, *args).stdout)["deep_check"]
+    assert fine["run"] is True and fine["profiles"] == {"tiny on cpu": "ok"}, fine
+    wrong = json.loads(run_check(root, *args, "--set", "VLLM_EXTRA_ARGS=--no-such-flag 1").stdout)
+    [problem] = wrong["deep_check"]["profiles"]["tiny on cpu"]
+    assert "--no-such-flag" in problem and "VLLM_EXTRA_ARGS" in problem

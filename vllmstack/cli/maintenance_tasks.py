@@ -62,7 +62,7 @@ def update_check(c: Context, model: Opt = None, platform: Opt = None, set: Sets 
     options = updates.Options(repos=parse_component_pairs(repo or [], "--repo"),
                               patch_dirs=parse_component_pairs(patches or [], "--patches"),
                               offline=offline, download=download, deep=deep,
-                              profiles=[model] if model else ())
+                              profiles=[model] if model else (), sets=set or ())
     report = updates.run_update_check(project, resolve_here(model, platform, set), make_runner(False),
                                       os.environ, options)
     written = update_report.write_report(project, report, plan=write_plan)

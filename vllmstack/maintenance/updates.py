@@ -102,7 +102,8 @@ class ComponentUpdate:
             candidates[0]["verification_note"] = self.verification_note
         return {"pinned": self.pinned, "key": self.key, "source": self.source,
                 "candidates": candidates if self.known or candidates else "unknown (offline)",
-                "lookups": self.lookups, "failing": self.failing, "drifted": self.drifted,
+                "lookups": self.lookups, "patch_folder": self.patch_folder,
+                "failing": self.failing, "drifted": self.drifted,
                 "notes": self.notes}
 
 
@@ -131,6 +132,7 @@ class Options:
     download: bool = False          # may fetch the newest vLLM's sdist (to verify patches)
     deep: bool = False              # may create the newest vLLM's parser environment
     profiles: Sequence[str] = ()    # deep-check these (default: every vLLM profile)
+    sets: Sequence[str] = ()        # --set KEY=VALUE, applied to those profiles too
 
 
 def run_update_check(project: Project, resolved: Resolved, runner: Runner,
@@ -333,7 +335,7 @@ def _deep(project: Project, resolved: Resolved, runner: Runner, environ: Mapping
         info = models.get(name)
         platform = info.platforms[0] if info and info.platforms else resolved.platform
         one = resolve(project, model=name, platform=platform, environ=environ,
-                      overrides=[f"VLLM_VERSION={version}", f"VLLM_REF={candidate.ref}"])
+                      overrides=[*options.sets, f"VLLM_VERSION={version}", f"VLLM_REF={candidate.ref}"])
         if engine_of(one) != VLLM:
             continue
         try:

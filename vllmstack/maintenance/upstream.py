@@ -72,7 +72,7 @@ def git_refs(runner: Runner, repo: str, environ: Mapping[str, str], *, offline: 
                         env=env, timeout=GIT_TIMEOUT, mutates=False)
     if not result.ok:
         last = (result.stderr.strip().splitlines() or ["no answer"])[-1]
-        return Lookup(None, f"unknown (offline: {last.rpartition(': ')[2][:160]})"), None
+        return Lookup(None, f"unknown (offline: {last.split(chr(39) + ': ')[-1][:160]})"), None
     tags: list[str] = []
     head = None
     for line in result.stdout.splitlines():
