@@ -227,26 +227,31 @@ def error_of(torch: Any, out: Any, ref: Any) -> float:
 
 
 def time_us(torch: Any, fn: Any) -> float:
-    """Median microseconds of one launch: CUDA graphs of GRAPH_LAUNCHES launches for short
-    kernels (launch overhead would otherwise be timed), event loops for long ones."""
+    """Median microseconds of one launch, replayed from a CUDA graph of GRAPH_LAUNCHES launches.
+
+    Always a graph: vLLM's fused_experts spends ~0.5 ms of Python per call, so timing eager calls
+    measures the CPU, not the kernel (a first H200 run did, and called a 29 us kernel 400 us).
+    Long kernels get fewer replays. A launch that cannot be captured is timed eagerly, in a burst
+    of launches between two events, so the CPU runs ahead of the GPU."""
     fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    estimate_us = start.elapsed_time(end) * 1000
     samples: list[float] = []
-    if estimate_us < 500:
+    try:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             for _ in range(GRAPH_LAUNCHES):
                 fn()
-        for _ in range(3):
-            graph.replay()
-        torch.cuda.synchronize()
-        for _ in range(10):
+    except Exception:
+        graph = None
+    if graph is not None:
+        graph.replay()
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        first = start.elapsed_time(end) * 1000 / GRAPH_LAUNCHES
+        for _ in range(max(3, min(10, int(20_000 / max(first * GRAPH_LAUNCHES, 1.0))))):
             start.record()
             graph.replay()
             end.record()
@@ -254,12 +259,13 @@ def time_us(torch: Any, fn: Any) -> float:
             samples.append(start.elapsed_time(end) * 1000 / GRAPH_LAUNCHES)
         graph.reset()
     else:
-        for _ in range(max(3, min(20, int(20_000 / estimate_us)))):
+        for _ in range(5):
             start.record()
-            fn()
+            for _ in range(GRAPH_LAUNCHES):
+                fn()
             end.record()
             end.synchronize()
-            samples.append(start.elapsed_time(end) * 1000)
+            samples.append(start.elapsed_time(end) * 1000 / GRAPH_LAUNCHES)
     return float(statistics.median(samples))
 
 
@@ -353,8 +359,8 @@ def tune_size(problem: MoeProblem | DenseProblem, m: int, space: list[dict[str, 
         return row
     best, best_us, best_error = sp.tile_of(stock), time_us(torch, stock_run), stock_error
     row["first_stock_us"] = best_us
-    # One time_us is ~150 launches; the re-run does 2 x RERUN_ROUNDS of them.
-    rerun_reserve = max(0.5, 2 * RERUN_ROUNDS * 150 * best_us / 1e6)
+    # One time_us is up to ~130 launches; the re-run does 2 x RERUN_ROUNDS of them.
+    rerun_reserve = max(0.5, 2 * RERUN_ROUNDS * 130 * best_us / 1e6)
     for config in sp.ordered(space, stock, seed)[1:]:
         if time.time() > deadline - rerun_reserve:
             row["budget_cut"] = True

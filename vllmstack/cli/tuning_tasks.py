@@ -1,0 +1,84 @@
+"""Tasks that tune the box for a profile: tune (Triton kernel configs)."""
+
+from __future__ import annotations
+
+import os
+
+from invoke.context import Context
+
+from vllmstack.cli.common import (
+    JSON_HELP,
+    PROFILE_HELP,
+    Opt,
+    Sets,
+    make_runner,
+    print_json,
+    project_here,
+    resolve_here,
+)
+from vllmstack.cli.task import stack_task
+from vllmstack.cli.values import Value, ValueProblemError, choice, text, whole
+
+
+def _number(low: float, high: float, what: str, example: str) -> Value:
+    """A finite number in (low, high]."""
+
+    def convert(t: str) -> float:
+        try:
+            number = float(t)
+        except ValueError:
+            raise ValueProblemError(f"is not {what}") from None
+        if not low < number <= high:  # NaN fails this too
+            raise ValueProblemError(f"is not above {low:g} and at most {high:g}")
+        return number
+
+    return Value(f"{what} above {low:g}, at most {high:g}", example, convert)
+
+
+TUNE_VALUES = {
+    "kind": choice(("moe", "fp8-dense")), "tp": whole(0, 64, "a tensor-parallel size", 1),
+    "batch_sizes": text("comma-separated batch sizes", "1,2,4,8,16,64,256,1024"),
+    "budget_min": _number(0, 24 * 60, "a number of minutes", "8"),
+    "shape": text("N,K of a GEMM", "34816,5120", empty=False),
+    "projections": text("projections, comma-separated", "gate_up,down", empty=False),
+    "workers": whole(-1, 256, "a number of processes (-1: cores - 2)", 8),
+    "min_gain": _number(0, 10, "a fraction", "0.05"),
+}
+
+TUNE_HELP = {
+    **PROFILE_HELP, **JSON_HELP,
+    "kind": "moe (fused_moe_configs/) or fp8-dense (fp8_configs/, block-FP8 GEMMs)",
+    "tp": "tensor-parallel size the shapes are for (default: VLLM_TP)",
+    "batch_sizes": "comma-separated batch sizes (default: vLLM's tuner grid 1..4096)",
+    "budget_min": "minutes the search may use, all shapes together (default 8: one 10-minute GPU run)",
+    "shape": "fp8-dense: N,K of a GEMM to tune (repeatable; from a boot log's `Config file not "
+             "found at .../N=..,K=..` line); default: the MLP's gate_up and down",
+    "projections": "fp8-dense: which projections, of gate_up, down, qkv, o (default gate_up,down)",
+    "workers": "processes that compile tiles ahead of timing (default: cores - 2, at most 12)",
+    "min_gain": "keep a batch size's entry only when the re-run gain is at least this (default 0.05)",
+    "python": "the engine's Python (default: NATIVE_ENGINE_COMMAND's, else install-engine's)",
+    "force": "replace an existing config file (the old one is kept as .bak)",
+    "dry_run": "print the plan and the command, measure nothing"}
+
+
+@stack_task(iterable=["set", "shape"], help=TUNE_HELP, values=TUNE_VALUES)
+def tune(c: Context, kind: str, model: Opt = None, platform: Opt = None, set: Sets = None,
+         tp: int = 0, batch_sizes: Opt = None, budget_min: float = 8.0, shape: Sets = None,
+         projections: str = "gate_up,down", workers: int = -1, min_gain: float = 0.05,
+         python: Opt = None, force: bool = False, dry_run: bool = False, json: bool = False) -> None:
+    """Tune vLLM's Triton configs for this profile's shapes on this GPU; keep only what wins by 5 %."""
+    from vllmstack.tune import tuning
+
+    resolved, project = resolve_here(model, platform, set), project_here()
+    plan = tuning.plan_tune(project, resolved, os.environ, kind=kind, tp=tp or None,
+                            batch_sizes=tuning.parse_batch_sizes(batch_sizes), budget_min=budget_min,
+                            projections=tuple(p.strip() for p in projections.split(",") if p.strip()),
+                            shapes=list(shape or []), workers=None if workers < 0 else workers,
+                            min_gain=min_gain)
+    if not json:
+        print(tuning.render_plan(plan))
+    outcome = tuning.run_tune(project, resolved, make_runner(dry_run), os.environ, plan,
+                              python=python, force=force)
+    if outcome is None:
+        return
+    print_json(outcome.as_json()) if json else print(tuning.render_outcome(outcome))
