@@ -282,6 +282,27 @@ def test_references_that_double_at_each_level_stop_at_a_bound(project: Project) 
     assert all(len(s.value) <= 65536 for s in resolved.values.values())
 
 
+def test_a_json_setting_nested_thousands_deep_is_a_finding(project: Project) -> None:
+    deep = "[" * 3000 + "]" * 3000  # fits on a command line; Python's parser stops near 1,000
+    resolved = resolve(project, platform="cpu", model="tiny", environ=ENVIRON,
+                       overrides=[f"VLLM_SPEC_DECODE={deep}"])  # RecursionError here
+    [bad] = [p for p in resolved.problems if p.key == "VLLM_SPEC_DECODE"]
+    assert bad.code == "bad-value" and "nested too deep" in bad.message
+    done = invoke(project, "check", "--platform", "cpu", "--set", f"VLLM_SPEC_DECODE={deep}")
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+
+
+def test_a_model_folder_whose_config_json_is_nested_thousands_deep(project: Project,
+                                                                   tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"a": ' * 100_000 + "1" + "}" * 100_000)
+    done = invoke(project, "check", "--model", "tiny", "--platform", "cpu", "--runtime", "native",
+                  "--set", f"VLLM_MODEL={model}", "--set", f"VLLM_TOKENIZER={model}")
+    assert "Traceback" not in done.stderr and "RecursionError" not in done.stderr
+    assert "FAILED" in done.stdout or "ok" in done.stdout.lower()
+
+
 # --- symlinks out of the project (issue 28 minor) -------------------------------------------------
 
 @pytest.fixture

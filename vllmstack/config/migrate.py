@@ -119,7 +119,7 @@ def _note_for(key: str, value: str, becomes: str) -> str:
     if key == "VLLM_SPEC_DECODE" and value.strip():
         try:
             spec = json.loads(value)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             notes.append("not valid JSON: fix it before use")
         else:
             if isinstance(spec, dict) and "attention_backend" in spec:

@@ -188,7 +188,7 @@ def load_model_facts(resolved: Resolved, environ: Mapping[str, str]) -> ModelFac
     if config_path is not None and config_path.is_file():
         try:
             config = json.loads(config_path.read_text())
-        except (OSError, json.JSONDecodeError):
+        except (OSError, json.JSONDecodeError, RecursionError, UnicodeDecodeError):
             config = None
         if isinstance(config, dict):
             for attr, value in facts_from_config(config).items():

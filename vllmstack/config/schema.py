@@ -125,6 +125,8 @@ def validate_value(key: Key, raw: str) -> str | None:
             parsed = json.loads(raw)
         except json.JSONDecodeError as exc:
             return f"is not valid JSON ({exc.msg} at column {exc.colno}): {raw}"
+        except RecursionError:  # nested a few thousand deep: Python's parser gives up
+            return "is JSON nested too deep to read (thousands of levels)"
         if not isinstance(parsed, dict):
             return f"must be a JSON object {{...}}, got {type(parsed).__name__}"
         return None

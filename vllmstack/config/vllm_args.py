@@ -149,6 +149,8 @@ def _json_value(resolved: Resolved, key: str) -> dict[str, Any] | None:
         value = json.loads(raw)
     except json.JSONDecodeError as exc:
         raise ArgvError(f"{key} is not valid JSON ({exc.msg}) at {where}", fix) from exc
+    except RecursionError:
+        raise ArgvError(f"{key} is JSON nested too deep to read at {where}", fix) from None
     if not isinstance(value, dict):
         raise ArgvError(f"{key} must be a JSON object at {where}", fix)
     return value
