@@ -93,6 +93,31 @@ def test_bench_vs_signalled_takes_its_engine_down(sims: Sims, signum: int) -> No
 
 
 @pytest.mark.slow
+def test_bench_vs_signalled_while_its_engine_boots_takes_it_down(sims: Sims) -> None:
+    env_file = sims.root / "env" / "models" / "sim-a.env"
+    env_file.write_text(env_file.read_text().replace("SIM_BOOT_SECONDS=0.3", "SIM_BOOT_SECONDS=30"))
+    port = sims.ports["sim-a"]
+    proc = subprocess.Popen([sys.executable, "-m", "invoke", "bench-vs", "-t", "vllm:sim-a",
+                             "--platform", "cpu"], cwd=sims.root, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=sims.environ,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not engine_pids(port):  # started, not yet answering: `up` waits for /health
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        time.sleep(1.0)
+        assert not answers(port)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=45)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    assert_nothing_left(sims, done, "bench-vs", signal.SIGTERM)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
 def test_burn_signalled_takes_its_engine_down(sims: Sims, signum: int) -> None:
     done = run_and_signal(sims, ["burn", "--profiles", "sim-a", "--runs", "200", "--platform",
