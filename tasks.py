@@ -275,7 +275,9 @@ def _build(model: Opt, platform: Opt, sets: Sets, dry_run: bool, target: Opt,
         raise StackError("the build did not start (see above)")
     if not outcome.result.ok:
         # docker's own exit status is the task's, so scripts can tell its failures apart.
-        print(f"error: docker build failed (exit {outcome.result.returncode})", file=sys.stderr)
+        print(StackError(f"docker build failed (exit {outcome.result.returncode})",
+                         "the build output above names the step that failed").render(),
+              file=sys.stderr)
         exit_with(outcome.result.returncode or 1)
 
 
