@@ -229,10 +229,15 @@ def run(argv: Sequence[str] | None = None, *, environ: Mapping[str, str] | None 
         project: Project | None = None, out: TextIO | None = None) -> int:
     """Parse and run; returns the result's exit code (a probe's verdict, a failed run) and raises
     StackError for a run that could not be done: the invoke tasks end on it with `error:` /
-    `fix:` and exit 1, `main` (`python -m vllmstack.bench`) prints it and returns 1 or 2."""
+    `fix:` and exit 1."""
+    return run_args(build_parser().parse_args(argv), environ=environ, project=project, out=out)
+
+
+def run_args(args: argparse.Namespace, *, environ: Mapping[str, str] | None = None,
+            project: Project | None = None, out: TextIO | None = None) -> int:
+    """Run parsed arguments (see `run`): progress on `out`, or on stderr with --json."""
     environ = os.environ if environ is None else environ
     out = out or sys.stdout
-    args = build_parser().parse_args(argv)
     project = project or Project.find()
     log = sys.stderr if getattr(args, "json", False) else out
 
@@ -250,15 +255,23 @@ def run(argv: Sequence[str] | None = None, *, environ: Mapping[str, str] | None 
 def main(argv: Sequence[str] | None = None, *, environ: Mapping[str, str] | None = None,
          project: Project | None = None, out: TextIO | None = None,
          err: TextIO | None = None) -> int:
-    """`run`, its errors printed on `err` (stderr): exit 2 for the arguments, else 1."""
+    """`python -m vllmstack.bench`: never raises for user errors. An error is printed where the
+    progress goes (stdout, or stderr with --json; `err` when given): exit 2 for the arguments,
+    else 1."""
+    out = out or sys.stdout
     try:
-        return run(argv, environ=environ, project=project, out=out)
+        args = build_parser().parse_args(argv)
     except SystemExit as exc:  # --help
         return int(exc.code or 0)
+    except CliError as exc:
+        (err or sys.stderr).write(exc.render() + "\n")
+        return EXIT_USAGE
+    log = err or (sys.stderr if getattr(args, "json", False) else out)
+    try:
+        return run_args(args, environ=environ, project=project, out=out)
     except StackError as exc:  # RunError, TargetError, TokenizerError, EndpointError, ...
-        stream = err or sys.stderr
-        stream.write(exc.render() + "\n")
-        stream.flush()
+        log.write(exc.render() + "\n")
+        log.flush()
         return EXIT_USAGE if isinstance(exc, CliError | ParamError) else 1
 
 
