@@ -103,7 +103,8 @@ class EngineManager:
         self.adopted = False
         self.swaps: deque[Swap] = deque(maxlen=RECENT_SWAPS)
         self.inflight = 0
-        self.last_used = clock()
+        self.last_used = clock()  # the idle TTL's clock: a request's start or end, a load's end
+        self._last_request = -math.inf  # a client request's start or end: the swap grace's clock
         self.closing = False
         self._queue: list[Waiter] = []
         self._drained = asyncio.Event()
@@ -207,13 +208,13 @@ class EngineManager:
     def _grant(self) -> str:
         self.inflight += 1
         self._drained.clear()
-        self.last_used = self.clock()
+        self.last_used = self._last_request = self.clock()
         assert self.url is not None
         return self.url
 
     def release(self) -> None:
         self.inflight -= 1
-        self.last_used = self.clock()
+        self.last_used = self._last_request = self.clock()
         if self.inflight == 0:
             self._drained.set()
             if self._queue:
@@ -262,7 +263,7 @@ class EngineManager:
         if resident is not None and self.ready(resident):
             now = self.clock()
             due = oldest.arrived + self.limits.swap_wait
-            idle = self.last_used + self.limits.swap_grace if self.inflight == 0 else math.inf
+            idle = self._last_request + self.limits.swap_grace if self.inflight == 0 else math.inf
             if now < min(due, idle):
                 self._timer = asyncio.get_running_loop().call_later(min(due, idle) - now,
                                                                     self._schedule)
@@ -353,8 +354,10 @@ class EngineManager:
     # --- the lifecycle API --------------------------------------------------------------------
 
     async def load(self, entry: Entry, timeout: float) -> None:
+        before = self._last_request
         await self.acquire(entry, timeout)
         self.release()
+        self._last_request = before  # a load by the API is not a request of the model's clients
 
     async def unload(self, timeout: float, reason: str = "unload") -> Entry | None:
         """Unload the resident model (after its requests finish); what was unloaded."""

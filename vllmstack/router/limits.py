@@ -45,7 +45,7 @@ class Limits:
     read_timeout: float = 600.0
     max_connections: int = 4096
     swap_wait: float = 30.0
-    swap_grace: float = 0.25
+    swap_grace: float = 0.1
     health_interval: float = 5.0
     error_run: int = 5
 

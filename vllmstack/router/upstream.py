@@ -60,23 +60,32 @@ class Cut:
             self.task.cancel()
 
 
+def listed_in_connection(headers: Iterable[tuple[str, str]]) -> frozenset[str]:
+    """The header names a Connection header declares hop-by-hop (RFC 9110 7.6.1)."""
+    return frozenset(token.strip().lower() for name, value in headers
+                     if name.lower() == "connection" for token in value.split(","))
+
+
 def request_headers(headers: Iterable[tuple[str, str]], drop: frozenset[str]) -> CIMultiDict[str]:
-    """The client's headers for the engine: hop-by-hop ones and `drop` left out."""
+    """The client's headers for the engine: hop-by-hop ones (also those its Connection header
+    names) and `drop` left out."""
+    pairs = list(headers)
+    skip = HOP_BY_HOP | drop | listed_in_connection(pairs)
     out: CIMultiDict[str] = CIMultiDict()
-    for name, value in headers:
-        lower = name.lower()
-        if lower not in HOP_BY_HOP and lower not in drop:
+    for name, value in pairs:
+        if name.lower() not in skip:
             out.add(name, value)
     return out
 
 
 def response_headers(answer: aiohttp.ClientResponse) -> CIMultiDict[str]:
     """The engine's response headers for the client, hop-by-hop ones left out."""
+    pairs = [(n.decode("latin-1"), v.decode("latin-1")) for n, v in answer.raw_headers]
+    skip = HOP_BY_HOP | listed_in_connection(pairs)
     out: CIMultiDict[str] = CIMultiDict()
-    for raw_name, raw_value in answer.raw_headers:
-        name = raw_name.decode("latin-1")
-        if name.lower() not in HOP_BY_HOP:
-            out.add(name, raw_value.decode("latin-1"))
+    for name, value in pairs:
+        if name.lower() not in skip:
+            out.add(name, value)
     return out
 
 
@@ -145,15 +154,15 @@ async def relay(answer: aiohttp.ClientResponse, response: web.StreamResponse) ->
     """Copy the engine's body to the client as it arrives. A chunked body leaves chunk for chunk
     (a chunk split across reads is written once whole); any other body piece by piece."""
     chunked = "chunked" in answer.headers.get("transfer-encoding", "").lower()
-    write = response.write
-    if not chunked:
-        async for data, _ in answer.content.iter_chunks():
-            if data:
-                await write(data)
-        return
+    write, read = response.write, answer.content.readchunk  # the hot loop: no iterator objects
     pending = b""
-    async for data, end in answer.content.iter_chunks():
-        if not end:
+    while True:
+        data, end = await read()
+        if not data and not end:
+            return  # the body's end (readchunk's own marker)
+        if not chunked:
+            await write(data)
+        elif not end:
             pending += data
         elif pending:
             await write(pending + data)
