@@ -83,6 +83,11 @@ def test_a_recorded_profile_that_no_longer_exists_is_an_error_with_a_fix(project
         follow(project)
     assert "generated/state.json" in str(caught.value) and "gone" in str(caught.value)
     assert "invoke down" in (getattr(caught.value, "fix", "") or "")
+    # status, logs and down find the engine through the state file: they go on with .env's.
+    said: list[str] = []
+    resolved = resolve_following(project, model=None, platform=None, overrides=[], environ={},
+                                 say=said.append, fallback=True)
+    assert resolved.profile == "qwen3.8-27b" and "gone" in said[0] and ".env's" in said[0]
 
 
 def test_a_live_routers_resident_model_is_followed_a_dead_one_is_not(project: Project) -> None:

@@ -41,7 +41,8 @@ def follow_here(model: Opt, platform: Opt, sets: Sets) -> Resolved:
     from vllmstack.serve.running import resolve_following
 
     return resolve_following(project_here(), model=model, platform=platform, overrides=sets or [],
-                             environ=os.environ, say=lambda line: print(line, file=sys.stderr))
+                             environ=os.environ, say=lambda line: print(line, file=sys.stderr),
+                             fallback=True)
 
 
 def print_json(data: Any) -> None:

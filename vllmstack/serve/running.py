@@ -89,11 +89,14 @@ def _named_in(overrides: Sequence[str], key: str) -> bool:
 
 def resolve_following(project: Project, *, model: str | None, platform: str | None,
                       overrides: Sequence[str], environ: Mapping[str, str],
-                      say: Callable[[str], None] | None = None) -> Resolved:
+                      say: Callable[[str], None] | None = None,
+                      fallback: bool = False) -> Resolved:
     """Resolve the running stack's selection where the caller named none; `.env`'s otherwise.
 
     `say` gets one line when the followed selection differs from the one .env makes (nothing is
-    said when they agree, or when nothing runs)."""
+    said when they agree, or when nothing runs). A recorded profile that no longer resolves is
+    an error, or with `fallback` (status, logs, down: they find the engine through the state
+    file, not the profile) a note and .env's selection."""
     running = running_selection(project)
     if running is None:
         return resolve(project, platform=platform, model=model, overrides=overrides,
@@ -105,6 +108,13 @@ def resolve_following(project: Project, *, model: str | None, platform: str | No
                          platform=running.platform if follow_platform else platform,
                          overrides=[*running.sets, *overrides], environ=environ)
     except ProfileError as exc:
+        if fallback:
+            if say is not None:
+                say(f"note: {running.source} names profile {running.profile} on "
+                    f"{running.platform}, which does not resolve here ({exc.cause}); using "
+                    ".env's selection")
+            return resolve(project, platform=platform, model=model, overrides=overrides,
+                           environ=environ)
         raise StackError(
             f"{running.source} says the stack runs profile {running.profile} on "
             f"{running.platform}, which does not resolve here: {exc.cause}",
