@@ -86,10 +86,8 @@ class ChatTemplate:
             raise TemplateError(f"{name}:{exc.lineno}: the template does not compile: {exc.message}",
                                 "fix the Jinja syntax at that line") from exc
         self.content_format = detect_content_format(self.ast)
-
-    def variables(self) -> frozenset[str]:
-        """The names the template reads that no one declares in it (what kwargs it takes)."""
-        return frozenset(jinja2.meta.find_undeclared_variables(self.ast))
+        # The names it reads that it does not declare: the kwargs it takes (vLLM passes only those).
+        self.variables = frozenset(jinja2.meta.find_undeclared_variables(self.ast))
 
     def render(self, messages: Sequence[Message], *, tools: Sequence[Mapping[str, Any]] | None = None,
                add_generation_prompt: bool = True, kwargs: Mapping[str, Any] | None = None,
@@ -97,7 +95,7 @@ class ChatTemplate:
         """The prompt text; a template error (or a Python error it triggers, e.g. adding None to
         a string) is a jinja2 or Python exception, for the caller to report with its case."""
         prepared = prepare_messages(messages, self.content_format)
-        chosen = {k: v for k, v in (kwargs or {}).items() if k in self.variables()}
+        chosen = {k: v for k, v in (kwargs or {}).items() if k in self.variables}
         return str(self.compiled.render(messages=prepared, tools=list(tools) if tools else None,
                                         documents=None, add_generation_prompt=add_generation_prompt,
                                         **{**(special_tokens or {}), **chosen}))
