@@ -1,32 +1,36 @@
-"""What the router adds over talking to the engine directly, and what a swap costs. Prints a table.
+"""What the router adds over talking to the engine directly: TTFT and per streamed chunk.
 
-    python benchmarks/bench_router_overhead.py [--requests 300] [--streams 40] [--tokens 400]
-                                               [--swaps 4] [--json]
+    python benchmarks/bench_router_overhead.py [--pairs 30] [--tokens 200] [--swaps 2] [--json]
+    python benchmarks/bench_router_overhead.py --engine-url http://127.0.0.1:8000 [--pairs 30]
+    flock /tmp/vllmstack-heavy.lock python benchmarks/bench_router_overhead.py --real-cpu
+    python benchmarks/bench_router_overhead.py --candidates [--pairs 30]
 
-One run, against the engine simulator (tests/simulator/server.py) started natively by the
-router itself (two profiles, sim-a and sim-b), with the router in its own process
-(`python -m vllmstack.router`), as users run it:
+Every mode measures in one run, in alternating pairs (direct then routed, then routed then
+direct, ...: drift and the machine's load hit both alike), each path over one kept-alive client
+connection, and reports medians and the router's added median:
 
-1. TTFT: streamed one-token completions, alternately straight to the engine and through the
-   router (each over a kept-alive client connection; the router opens a new engine connection
-   per request, as it does in use); time from the request's last byte sent to the first body
-   byte read. Median and p90 of each, and the router's added median (target: at most 1 ms).
-2. Per streamed chunk, three ways. (a) Latency: a third profile, `stamp`, runs a tiny engine
-   (this file with --stamp-engine: /health, the warm-up, and streams whose every chunk carries
-   the CLOCK_MONOTONIC time it was written, one every 0.2 ms); the client's read time minus that
-   stamp, direct and routed: the router's added median per chunk (target: at most 20 µs).
-   (b) Throughput: long simulator streams with pacing off (sim-a, SIM_ITL_MS=0), alternately
-   direct and routed; per stream (last chunk - first chunk) / (chunks - 1). (c) Cost: the router
-   process's CPU time per chunk forwarded (/proc/PID/task/*/schedstat; user and kernel from
-   /proc/PID/stat), on the paced streams of (a), where every chunk is a wake-up of its own as
-   with a real engine; kernel time includes the extra socket hop. Shown, not judged: it is what
-   the router costs the machine, not what a chunk waits.
-3. Swaps: /v1/load of the other profile, repeatedly; the wall time split into the old engine's
-   stop (`down`, to memory released), the new one's start (`up`: checks, boot to /health 200,
-   warm-up) and the router's own share (wall - stop - start).
+* TTFT: a streamed one-token completion; request sent to the first body chunk read (goal: the
+  router adds at most 1 ms).
+* Per chunk: on the stamping engine (this file with --stamp-engine: every chunk carries the
+  CLOCK_MONOTONIC time it was written, one every 0.2 ms), the client's read time minus that stamp:
+  the delay the router adds to each chunk (goal: at most 20 us). On any engine, the median gap
+  between chunks of a long stream (what the router does to a stream's pace), and the router
+  process's CPU time per chunk forwarded (what it costs the machine).
 
-Exit 1 when an added cost is over its target. The machine's load shows in the p90 columns: run
-it on a quiet machine for numbers to quote.
+Modes:
+* default: the engine simulator (tests/simulator) and the stamping engine, loaded by the router
+  itself through `up` (native runtime), and the router's swaps (stop, start, its own share).
+* --engine-url URL: an engine that already runs (vLLM on the H200): the router (its real server,
+  client and scheduler, `run_router`) in front of it, in a subprocess, with a lifecycle that
+  "loads" by pointing at URL. No stamping there: TTFT, chunk gap and CPU.
+* --real-cpu: the real CPU vLLM engine of this checkout (.cache/engines, the made tiny model),
+  started with `invoke up` in a throwaway copy, then --engine-url against it; run it under
+  `flock /tmp/vllmstack-heavy.lock`.
+* --candidates: how the router's server was chosen: minimal streaming proxies on each candidate
+  (uvicorn with h11 or httptools, aiohttp's server; httpx or aiohttp as the engine client;
+  asyncio or uvloop) against the stamping engine, side by side with direct access.
+
+Exit 1 when an added median is over its goal (TTFT, and the stamped chunk latency where measured).
 """
 
 from __future__ import annotations
@@ -44,25 +48,26 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(Path(__file__).resolve().parent)]
 
-from helpers import free_port, simulator_project  # noqa: E402
+from helpers import copy_project, free_port, simulator_project, write_dotenv  # noqa: E402
 
-TTFT_TARGET_S = 1e-3
-CHUNK_TARGET_S = 20e-6
-# Pacing off (chunks as fast as the simulator writes them); no boot delay to speak of.
-SIM_ENV = "SIM_BOOT_SECONDS=0.3 SIM_TTFT_MS=0 SIM_ITL_MS=0"
-STAMP_GAP_S = 0.0002  # one chunk every 0.2 ms: each one a wake-up of its own for the router
+TTFT_GOAL_S = 1e-3
+CHUNK_GOAL_S = 20e-6
+SIM_ENV = "SIM_BOOT_SECONDS=0.3 SIM_TTFT_MS=0 SIM_ITL_MS=0"  # pacing off: chunks as fast as written
+STAMP_GAP_S = 0.0002  # one chunk every 0.2 ms: each a wake-up of its own for the router
+Run = tuple[float, list[tuple[float, bytes]]]  # (TTFT, [(read time, chunk data)])
 
 
-# --- the stamping engine (run by the router as profile `stamp`) ----------------------------------
+# --- the stamping engine (a profile the router loads, or the --candidates engine) ----------------
 
 
 def stamp_engine(argv: list[str]) -> None:
-    """Enough of an engine for `up` (/health, the warm-up) whose streamed chunks carry the time
-    they were written: `data: {"t": PERF_COUNTER}`. Takes vLLM's argv; uses --host and --port."""
+    """Enough of an engine for `up` (/health, /v1/models, the warm-up) whose streamed chunks carry
+    the time they were written: `data: {"t": PERF_COUNTER}`. Takes vLLM's argv (--host, --port)."""
     import http.server
     import socketserver
 
@@ -122,15 +127,16 @@ def stamp_engine(argv: list[str]) -> None:
 class Client:
     """A minimal kept-alive HTTP/1.1 client that timestamps what it reads."""
 
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.sock = socket.create_connection(("127.0.0.1", port))
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url)
+        self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
+        self.sock = socket.create_connection((self.host, self.port))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
-    def stream(self, path: str, body: dict[str, Any]) -> tuple[float, list[tuple[float, bytes]]]:
+    def stream(self, path: str, body: dict[str, Any]) -> Run:
         """POST; (seconds from sent to the first body chunk, [(read time, data)] per chunk)."""
         data = json.dumps(body).encode()
-        head = (f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1:{self.port}\r\n"
+        head = (f"POST {path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\n"
                 f"content-type: application/json\r\ncontent-length: {len(data)}\r\n\r\n").encode()
         self.sock.sendall(head + data)
         sent = time.perf_counter()
@@ -167,67 +173,35 @@ class Client:
         self.sock.close()
 
 
-def post_json(port: int, path: str, body: dict[str, Any], timeout: float = 120) -> dict[str, Any]:
+def get_json(url: str, timeout: float = 5) -> Any:
     import requests
 
-    answer = requests.post(f"http://127.0.0.1:{port}{path}", json=body, timeout=timeout)
+    return requests.get(url, timeout=timeout).json()
+
+
+def post_json(url: str, body: dict[str, Any], timeout: float = 300) -> Any:
+    import requests
+
+    answer = requests.post(url, json=body, timeout=timeout)
     answer.raise_for_status()
-    data: dict[str, Any] = answer.json()
-    return data
+    return answer.json()
 
 
-def health(port: int) -> dict[str, Any]:
-    import requests
-
-    data: dict[str, Any] = requests.get(f"http://127.0.0.1:{port}/v1/health", timeout=5).json()
-    return data
-
-
-def cpu_seconds(pid: int) -> tuple[float, float, float]:
-    """CPU time of `pid`: (total of its threads, ns resolution from /proc/PID/task/*/schedstat;
-    user and kernel, in clock ticks from /proc/PID/stat)."""
-    total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with open(task / "schedstat") as handle:
-            total += int(handle.read().split()[0])
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    tick = os.sysconf("SC_CLK_TCK")
-    return total / 1e9, int(fields[11]) / tick, int(fields[12]) / tick
+def cpu_seconds(pid: int) -> float:
+    """CPU time of every thread of `pid` (ns resolution, /proc/PID/task/*/schedstat)."""
+    return sum(int((task / "schedstat").read_text().split()[0])
+               for task in Path(f"/proc/{pid}/task").iterdir()) / 1e9
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
-
-
-def start_router(root: Path, port: int) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("ROUTER_TOKEN", None)
-    proc = subprocess.Popen([sys.executable, "-m", "vllmstack.router", "--project", str(root),
-                             "--port", str(port), "--ttl", "0", "--profiles", "sim-a,sim-b,stamp"],
-                            cwd=root, env=env, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            health(port)
-            return proc
-        except Exception:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                out = proc.communicate(timeout=10)[0] if proc.poll() is not None else ""
-                raise RuntimeError(f"the router did not start: {out}") from None
-            time.sleep(0.1)
-
-
-def alternate(engine_port: int, router_port: int, rounds: int, body: dict[str, Any]
-              ) -> dict[str, list[tuple[float, list[tuple[float, bytes]]]]]:
-    """`rounds` streams each way, direct and routed in turn (so drift hits both alike)."""
-    clients = {"direct": Client(engine_port), "router": Client(router_port)}
-    for client in clients.values():  # warm both paths (imports, first connections)
-        for _ in range(10):
+def alternate(direct: str, routed: str, pairs: int, body: dict[str, Any], warm: int = 5
+              ) -> dict[str, list[Run]]:
+    """`pairs` streams each way, direct and routed in turn, the order swapped every pair."""
+    clients = {"direct": Client(direct), "router": Client(routed)}
+    for client in clients.values():  # warm both paths (imports, first connections, caches)
+        for _ in range(warm):
             client.stream("/v1/completions", body)
-    out: dict[str, list[tuple[float, list[tuple[float, bytes]]]]] = {"direct": [], "router": []}
-    for i in range(rounds):
+    out: dict[str, list[Run]] = {"direct": [], "router": []}
+    for i in range(pairs):
         for name in ("direct", "router")[:: 1 if i % 2 else -1]:
             out[name].append(clients[name].stream("/v1/completions", body))
     for client in clients.values():
@@ -235,110 +209,378 @@ def alternate(engine_port: int, router_port: int, rounds: int, body: dict[str, A
     return out
 
 
-def measure(args: argparse.Namespace, engine_port: int, router_port: int, pid: int
-            ) -> dict[str, Any]:
-    post_json(router_port, "/v1/load", {"model": "sim-a"})
-    one = {"model": "sim-a", "prompt": "hello there", "max_tokens": 1, "stream": True}
-    runs = alternate(engine_port, router_port, args.requests, one)
+def measure(direct: str, routed: str, model: str, pid: int, args: argparse.Namespace, *,
+            stamped: bool) -> dict[str, Any]:
+    """TTFT pairs, then long-stream pairs (stamped latency when the engine stamps)."""
+    one = {"model": model, "prompt": "hello there", "max_tokens": 1, "stream": True,
+           "temperature": 0}
+    runs = alternate(direct, routed, args.pairs, one)
     ttft = {name: [first for first, _ in results] for name, results in runs.items()}
-    long = {"model": "sim-a", "prompt": "hello there", "max_tokens": args.tokens, "stream": True}
-    runs = alternate(engine_port, router_port, args.streams, long)
-    per_chunk = {name: [(c[-1][0] - c[0][0]) / (len(c) - 1) for _, c in results]
-                 for name, results in runs.items()}
-    swaps_done = swaps(router_port, args.swaps)
-    post_json(router_port, "/v1/load", {"model": "stamp"})
-    stamped = {"model": "stamp", "prompt": "x", "max_tokens": args.tokens, "stream": True}
+    long = {**one, "max_tokens": args.tokens, "ignore_eos": True}
     before = cpu_seconds(pid)
-    runs = alternate(engine_port, router_port, args.streams, stamped)
-    after = cpu_seconds(pid)
-    latency = {name: [read - json.loads(data[6:])["t"] for _, chunks in results
-                      for read, data in chunks] for name, results in runs.items()}
-    routed = sum(len(chunks) for _, chunks in runs["router"]) + 10 * args.tokens  # + warm-up
-    total, user, kernel = (b - a for a, b in zip(before, after, strict=True))
-    return {"ttft": ttft, "per_chunk": per_chunk, "latency": latency, "swaps": swaps_done,
-            "cpu_per_chunk_s": total / routed, "user_per_chunk_s": user / routed,
-            "kernel_per_chunk_s": kernel / routed, "chunks_routed": routed}
-
-
-def swaps(router_port: int, count: int) -> list[dict[str, Any]]:
-    out = []
-    for i in range(count):
-        target = "sim-b" if i % 2 == 0 else "sim-a"
-        began = time.perf_counter()
-        post_json(router_port, "/v1/load", {"model": target})
-        wall = time.perf_counter() - began
-        swap = health(router_port)["swaps"][-1]
-        out.append({**swap, "wall_s": wall,
-                    "router_s": wall - swap["stop_s"] - swap["start_s"]})
+    runs = alternate(direct, routed, args.pairs, long, warm=2)
+    spent = cpu_seconds(pid) - before
+    routed_chunks = sum(len(chunks) for _, chunks in runs["router"]) + 2 * len(runs["router"][0][1])
+    # A stream's pace: (last chunk - first chunk) / gaps; reads that coalesce chunks average out.
+    gap = {name: [(c[-1][0] - c[0][0]) / (len(c) - 1) for _, c in results]
+           for name, results in runs.items()}
+    out: dict[str, Any] = {"ttft": ttft, "gap": gap, "cpu_per_chunk_s": spent / routed_chunks,
+                           "chunks": routed_chunks}
+    if stamped:
+        out["latency"] = {name: [read - json.loads(event[6:])["t"] for _, chunks in results
+                                 for read, data in chunks
+                                 for event in data.split(b"\n\n") if event.strip()]
+                          for name, results in runs.items()}
     return out
 
 
-def main(argv: list[str]) -> int:
-    if argv[:1] == ["--stamp-engine"]:
-        stamp_engine(argv[1:])
-        return 0
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=300, help="TTFT requests per path")
-    parser.add_argument("--streams", type=int, default=40, help="long streams per path")
-    parser.add_argument("--tokens", type=int, default=400, help="chunks per long stream")
-    parser.add_argument("--swaps", type=int, default=4, help="swaps to time")
-    parser.add_argument("--json", action="store_true", help="print the numbers as JSON")
-    args = parser.parse_args(argv)
+def added(data: dict[str, list[float]]) -> float:
+    return statistics.median(data["router"]) - statistics.median(data["direct"])
+
+
+def table(title: str, numbers: dict[str, Any]) -> tuple[list[str], bool]:
+    """Markdown rows of one measurement; whether it met the goals."""
+    rows = [f"### {title}", "", "| | direct | router | added | goal |", "|---|---:|---:|---:|---|"]
+    ok = True
+    for key, label, scale, unit, goal in (
+            ("ttft", "TTFT median", 1e3, "ms", TTFT_GOAL_S),
+            ("latency", "chunk latency (stamped) median", 1e6, "µs", CHUNK_GOAL_S),
+            ("gap", "chunk gap (stream pace) median", 1e6, "µs", None)):
+        if key not in numbers:
+            continue
+        data = numbers[key]
+        d, r, a = statistics.median(data["direct"]), statistics.median(data["router"]), added(data)
+        verdict = ""
+        if goal is not None:
+            verdict = f"≤ {goal * scale:g} {unit} " + ("ok" if a <= goal else "OVER")
+            ok = ok and a <= goal
+        rows.append(f"| {label} | {d * scale:.3f} {unit} | {r * scale:.3f} {unit} | "
+                    f"{a * scale:+.3f} {unit} | {verdict} |")
+    rows.append(f"| router CPU per chunk | | {numbers['cpu_per_chunk_s'] * 1e6:.1f} µs | | "
+                f"({numbers['chunks']} chunks) |")
+    rows += ["", f"{len(numbers['ttft']['direct'])} alternating pairs per measure.", ""]
+    return rows, ok
+
+
+# --- the router in front of an engine that already runs ----------------------------------------
+
+
+class External:
+    """engines.Lifecycle over an engine the bench did not start: a load points at it."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def load(self, entry: Any) -> Any:
+        from vllmstack.router.engines import Loaded
+
+        return Loaded(self.url)
+
+    def unload(self, entry: Any) -> None:
+        pass
+
+    def abort(self, entry: Any) -> None:
+        pass
+
+    def adoptable(self, catalog: Any) -> Any:
+        return None
+
+
+def serve_router(argv: list[str]) -> int:
+    """(--serve-router URL PROJECT PORT) the router in front of URL, as `invoke router` runs it."""
+    from vllmstack.core.paths import Project
+    from vllmstack.router.service import run_router
+
+    url, project, port = argv[0], Path(argv[1]), int(argv[2])
+    return run_router(Project(project), {}, port=port, profiles=["ext"], ttl=0,
+                      lifecycle=External(url))
+
+
+def external(url: str, args: argparse.Namespace) -> dict[str, Any]:
+    model = get_json(url.rstrip("/") + "/v1/models")["data"][0]["id"]
+    with tempfile.TemporaryDirectory(prefix="bench-router-") as tmp:
+        root = copy_project(Path(tmp) / "stack")
+        (root / "env" / "models" / "ext.env").write_text(
+            f"PROFILE_DESCRIPTION=the engine at {url}\nEXTENDS=models/qwen3-0.6b\n"
+            f"PROFILE_PLATFORMS=cpu\nVLLM_SERVED_NAME={model}\nVLLM_PORT={free_port()}\n")
+        write_dotenv(root, {"PLATFORM": "cpu", "OTHER_ENGINE_PORTS": ","})
+        port = free_port()
+        router = subprocess.Popen([sys.executable, __file__, "--serve-router", url, str(root),
+                                   str(port)], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        routed = f"http://127.0.0.1:{port}"
+        try:
+            wait_for(routed, router)
+            post_json(routed + "/v1/load", {"model": model})
+            return {"model": model, **measure(url, routed, model, router.pid, args, stamped=False)}
+        finally:
+            stop(router)
+
+
+def wait_for(url: str, proc: subprocess.Popen[str], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            get_json(url + "/v1/health", timeout=2)
+            return
+        except Exception:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                out = proc.communicate(timeout=10)[0] if proc.poll() is not None else ""
+                raise RuntimeError(f"{url} did not start: {out[-2000:]}") from None
+            time.sleep(0.1)
+
+
+def stop(proc: subprocess.Popen[str]) -> None:
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=180)[0]
+    if proc.returncode not in (0, -signal.SIGTERM):
+        print(out[-3000:], file=sys.stderr)
+
+
+def real_cpu(args: argparse.Namespace) -> dict[str, Any]:
+    """The CPU vLLM engine of this checkout, up in a throwaway copy, then `external`."""
+    with tempfile.TemporaryDirectory(prefix="bench-router-cpu-") as tmp:
+        root = copy_project(Path(tmp) / "stack")
+        (root / ".cache").mkdir()
+        (root / ".cache" / "engines").symlink_to(ROOT / ".cache" / "engines")
+        port = free_port()
+        write_dotenv(root, {"PLATFORM": "cpu", "MODEL_PROFILE": "tiny", "RUNTIME": "native",
+                            "VLLM_PORT": str(port), "OTHER_ENGINE_PORTS": ",",
+                            "HOST_CACHE_DIR": str(ROOT / ".cache" / "real-engine-tests"),
+                            "UP_TIMEOUT": "900"})
+
+        def invoke(*words: str, timeout: float) -> None:
+            done = subprocess.run([sys.executable, "-m", "invoke", *words], cwd=root, text=True,
+                                  capture_output=True, timeout=timeout, check=False)
+            if done.returncode:
+                raise RuntimeError(f"invoke {' '.join(words)}: {done.stdout[-2000:]}{done.stderr[-2000:]}")
+
+        invoke("make-model", timeout=600)
+        invoke("up", "--no-dashboard", timeout=1000)
+        try:
+            return external(f"http://127.0.0.1:{port}", args)
+        finally:
+            invoke("down", timeout=300)
+
+
+# --- the default mode: the simulator and the stamping engine, loaded by the router -------------
+
+
+def simulated(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-router-") as tmp:
         engine_port, router_port = free_port(), free_port()
         stamp = f"{shlex.quote(sys.executable)} {shlex.quote(str(Path(__file__).resolve()))} --stamp-engine"
         root = simulator_project(Path(tmp) / "stack", {"sim-a": SIM_ENV, "sim-b": SIM_ENV,
                                                        "stamp": ""},
                                  port=engine_port, commands={"stamp": stamp})
-        router = start_router(root, router_port)
+        env = {k: v for k, v in os.environ.items() if k != "ROUTER_TOKEN"}
+        router = subprocess.Popen(
+            [sys.executable, "-m", "vllmstack.router", "--project", str(root), "--port",
+             str(router_port), "--ttl", "0", "--profiles", "sim-a,sim-b,stamp"], cwd=root,
+            env={**env, "PYTHONPATH": str(ROOT)}, text=True, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT)
+        routed, direct = f"http://127.0.0.1:{router_port}", f"http://127.0.0.1:{engine_port}"
         try:
-            numbers = measure(args, engine_port, router_port, router.pid)
+            wait_for(routed, router)
+            post_json(routed + "/v1/load", {"model": "sim-a"})
+            simulator = measure(direct, routed, "sim-a", router.pid, args, stamped=False)
+            swaps = []
+            for i in range(args.swaps):
+                target = "sim-b" if i % 2 == 0 else "sim-a"
+                began = time.perf_counter()
+                post_json(routed + "/v1/load", {"model": target})
+                wall = time.perf_counter() - began
+                swap = get_json(routed + "/v1/health")["swaps"][-1]
+                swaps.append({**swap, "wall_s": wall,
+                              "router_s": wall - swap["stop_s"] - swap["start_s"]})
+            post_json(routed + "/v1/load", {"model": "stamp"})
+            stamped = measure(direct, routed, "stamp", router.pid, args, stamped=True)
         finally:
-            router.send_signal(signal.SIGTERM)
-            log = router.communicate(timeout=120)[0]
-        if router.returncode != 0:
-            print(log, file=sys.stderr)
-            raise SystemExit(f"the router exited with {router.returncode}")
-    return report(numbers, args.json)
+            stop(router)
+    return {"simulator": simulator, "stamp": stamped, "swaps": swaps}
 
 
-def report(numbers: dict[str, Any], as_json: bool) -> int:
-    ttft, chunk, latency = numbers["ttft"], numbers["per_chunk"], numbers["latency"]
-    added = {name: statistics.median(data["router"]) - statistics.median(data["direct"])
-             for name, data in (("ttft", ttft), ("per_chunk", chunk), ("latency", latency))}
-    ok = added["ttft"] <= TTFT_TARGET_S and added["latency"] <= CHUNK_TARGET_S
-    summary = {"ttft_added_median_s": added["ttft"], "chunk_latency_added_median_s": added["latency"],
-               "chunk_gap_added_median_s": added["per_chunk"], "ok": ok, **numbers}
-    if as_json:
-        print(json.dumps(summary, indent=2))
-        return 0 if ok else 1
-    print(f"{'':34} {'direct':>12} {'router':>12} {'added':>12}  target")
-    rows = (("TTFT", ttft, TTFT_TARGET_S, 1e3, "ms"),
-            ("chunk latency (stamped)", latency, CHUNK_TARGET_S, 1e6, "µs"),
-            ("chunk gap, unpaced stream", chunk, None, 1e6, "µs"))
-    for label, data, target, scale, unit in rows:
-        for stat, q in (("median", 0.5), ("p90", 0.9)):
-            d, r = pct(data["direct"], q), pct(data["router"], q)
-            verdict = ""
-            if stat == "median" and target is not None:
-                verdict = f"≤ {target * scale:g} {unit} {'ok' if r - d <= target else 'OVER'}"
-            print(f"{label + ' ' + stat:34} {d * scale:>9.3f} {unit} {r * scale:>9.3f} {unit} "
-                  f"{(r - d) * scale:>9.3f} {unit}  {verdict}")
-    print(f"{'router CPU per chunk (paced)':34} {'':>12} {numbers['cpu_per_chunk_s'] * 1e6:>9.3f} µs"
-          f"   (user {numbers['user_per_chunk_s'] * 1e6:.1f} µs, kernel "
-          f"{numbers['kernel_per_chunk_s'] * 1e6:.1f} µs; {numbers['chunks_routed']} chunks)")
-    print(f"({len(ttft['direct'])} TTFT requests, {len(chunk['direct'])} unpaced and "
-          f"{len(latency['direct']) // max(1, len(chunk['direct']))}-chunk stamped streams per path)")
-    print()
-    print("swap: stop old = `down` to memory released; start new = `up`: checks and guards, "
-          "boot to /health 200, warm-up")
-    print(f"{'swap':16} {'stop old':>9} {'start new':>10} {'(checks':>8} {'boot':>7} "
-          f"{'warm-up)':>9} {'router':>8} {'wall':>8}")
-    for swap in numbers["swaps"]:
-        checks = swap["start_s"] - swap["boot_s"] - swap["warmup_s"]
-        print(f"{swap['unloaded'] + ' -> ' + swap['loaded']:16} {swap['stop_s']:>8.3f}s "
-              f"{swap['start_s']:>9.3f}s {checks:>7.3f}s {swap['boot_s']:>6.3f}s "
-              f"{swap['warmup_s']:>8.3f}s {swap['router_s'] * 1e3:>6.1f}ms {swap['wall_s']:>7.3f}s")
+# --- --candidates: how the router's server and engine client were chosen ------------------------
+
+CANDIDATES = ("uvicorn-h11-httpx", "uvicorn-httptools-httpx", "uvicorn-httptools-aiohttp",
+              "aiohttp-aiohttp")
+
+
+def serve_proxy(flavour: str, port: int, engine_port: int) -> None:
+    """(--proxy FLAVOUR-LOOP PORT ENGINE_PORT) a minimal streaming proxy: the request's body to
+    the engine, the engine's chunks back as they come, nothing else."""
+    import asyncio
+
+    *parts, loop_kind = flavour.split("-")
+    server, client = parts[0], parts[-1]
+    engine = f"http://127.0.0.1:{engine_port}"
+    skip = ("transfer-encoding", "connection", "content-length")
+
+    def make_client() -> Any:
+        if client == "httpx":
+            import httpx
+
+            return httpx.AsyncClient(timeout=None)
+        import aiohttp
+
+        return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
+                                     auto_decompress=False)
+
+    async def chunks(session: Any, path: str, body: bytes) -> Any:
+        if client == "httpx":
+            request = session.build_request("POST", engine + path, content=body,
+                                            headers={"content-type": "application/json"})
+            answer = await session.send(request, stream=True)
+            yield answer.status_code, list(answer.headers.items())
+            async for piece in answer.aiter_raw():
+                yield piece
+            await answer.aclose()
+            return
+        async with session.post(engine + path, data=body,
+                                headers={"content-type": "application/json"}) as answer:
+            yield answer.status, list(answer.headers.items())
+            async for piece, _ in answer.content.iter_chunks():
+                yield piece
+
+    if server == "uvicorn":
+        import uvicorn
+
+        state: dict[str, Any] = {}
+
+        async def app(scope: Any, receive: Any, send: Any) -> None:
+            if scope["type"] == "lifespan":
+                while (await receive())["type"] != "lifespan.shutdown":
+                    state["session"] = make_client()
+                    await send({"type": "lifespan.startup.complete"})
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+            body, more = b"", True
+            while more:
+                message = await receive()
+                body, more = body + message.get("body", b""), message.get("more_body", False)
+            stream = chunks(state["session"], scope["path"], body)
+            status, headers = await anext(stream)
+            await send({"type": "http.response.start", "status": status, "headers": [
+                (k.encode(), v.encode()) for k, v in headers if k.lower() not in skip]})
+            async for piece in stream:
+                await send({"type": "http.response.body", "body": piece, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        uvicorn.run(app, host="127.0.0.1", port=port, http=parts[1], loop=loop_kind,
+                    log_level="warning", access_log=False)
+        return
+    from aiohttp import web
+
+    async def handle(request: web.BaseRequest) -> web.StreamResponse:
+        stream = chunks(request.app_session, request.path, await request.read())  # type: ignore[attr-defined]
+        status, headers = await anext(stream)
+        response = web.StreamResponse(status=status, headers={
+            k: v for k, v in headers if k.lower() not in skip})
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        async for piece in stream:
+            await response.write(piece)
+        await response.write_eof()
+        return response
+
+    async def run() -> None:
+        session = make_client()
+        web.BaseRequest.app_session = session  # type: ignore[attr-defined]
+        await asyncio.get_running_loop().create_server(web.Server(handle), "127.0.0.1", port)
+        await asyncio.Event().wait()
+
+    if loop_kind == "uvloop":
+        import uvloop
+
+        uvloop.run(run())
+    else:
+        asyncio.run(run())
+
+
+def compare(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    engine_port = free_port()
+    engine = subprocess.Popen([sys.executable, __file__, "--stamp-engine", "--port",
+                               str(engine_port)], stdout=subprocess.DEVNULL)
+    direct = f"http://127.0.0.1:{engine_port}"
+    time.sleep(1.0)
+    loops = ["asyncio"] + (["uvloop"] if importlib.util.find_spec("uvloop") else [])
+    rows = ["| server - engine client - loop | TTFT added | chunk latency added | CPU per chunk |",
+            "|---|---:|---:|---:|"]
+    try:
+        for flavour in (f"{c}-{loop}" for c in CANDIDATES for loop in loops):
+            needed = {"uvicorn": "uvicorn", "httptools": "httptools", "httpx": "httpx",
+                      "aiohttp": "aiohttp"}
+            if any(importlib.util.find_spec(needed[w]) is None for w in flavour.split("-")
+                   if w in needed):
+                rows.append(f"| {flavour} | (not installed) | | |")
+                continue
+            port = free_port()
+            proxy = subprocess.Popen([sys.executable, __file__, "--proxy", flavour, str(port),
+                                      str(engine_port)], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+            try:
+                deadline = time.monotonic() + 30
+                while socket.socket().connect_ex(("127.0.0.1", port)) != 0:
+                    assert time.monotonic() < deadline, f"{flavour} did not start"
+                    time.sleep(0.1)
+                numbers = measure(direct, f"http://127.0.0.1:{port}", "stamp", proxy.pid, args,
+                                  stamped=True)
+            finally:
+                proxy.kill()
+                proxy.wait()
+            rows.append(f"| {flavour} | {added(numbers['ttft']) * 1e3:+.3f} ms | "
+                        f"{added(numbers['latency']) * 1e6:+.1f} µs | "
+                        f"{numbers['cpu_per_chunk_s'] * 1e6:.1f} µs |")
+            print(rows[-1], flush=True)
+    finally:
+        engine.kill()
+        engine.wait()
+    print("\n".join(rows))
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--stamp-engine"]:
+        stamp_engine(argv[1:])
+        return 0
+    if argv[:1] == ["--serve-router"]:
+        return serve_router(argv[1:])
+    if argv[:1] == ["--proxy"]:
+        serve_proxy(argv[1], int(argv[2]), int(argv[3]))
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pairs", type=int, default=30, help="alternating pairs per measure (>= 30)")
+    parser.add_argument("--tokens", type=int, default=200, help="chunks per long stream")
+    parser.add_argument("--swaps", type=int, default=2, help="swaps to time (default mode)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--engine-url", help="an engine that already runs, e.g. http://127.0.0.1:8000")
+    mode.add_argument("--real-cpu", action="store_true", help="the checkout's real CPU vLLM engine")
+    mode.add_argument("--candidates", action="store_true", help="the server/client candidates")
+    parser.add_argument("--json", action="store_true", help="print the numbers as JSON")
+    args = parser.parse_args(argv)
+    if args.candidates:
+        return compare(args)
+    if args.engine_url or args.real_cpu:
+        numbers = external(args.engine_url, args) if args.engine_url else real_cpu(args)
+        sections = {f"engine {numbers['model']} at "
+                    f"{args.engine_url or 'the real CPU vLLM engine'}": numbers}
+    else:
+        numbers = simulated(args)
+        sections = {"engine simulator (pacing off)": numbers["simulator"],
+                    "stamping engine (a chunk every 0.2 ms)": numbers["stamp"]}
+    if args.json:
+        print(json.dumps(numbers, indent=1))
+    ok = True
+    for title, data in sections.items():
+        rows, fine = table(title, data)
+        ok = ok and fine
+        print("\n".join(rows))
+    for swap in numbers.get("swaps", []):
+        print(f"swap {swap['unloaded']} -> {swap['loaded']}: stop {swap['stop_s']:.3f} s, start "
+              f"{swap['start_s']:.3f} s, router {swap['router_s'] * 1e3:.1f} ms, wall "
+              f"{swap['wall_s']:.3f} s")
     return 0 if ok else 1
 
 
