@@ -7,7 +7,9 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -293,3 +295,115 @@ def test_malformed_manifest_is_an_error_finding(proj: Project) -> None:
     manifest = proj.patches / "vllm" / "overlays.toml"
     manifest.write_text(manifest.read_text().replace("base_sha256", "base_sha"))
     assert codes(proj, labels) == ["overlay-manifest"]
+
+
+# --- the cpu target ---------------------------------------------------------------------------
+
+CPU_TXT = ('-r common.txt\ntorch==2.13.0+cpu; platform_machine == "x86_64" or platform_machine == '
+           '"aarch64"\ntorch==2.13.0; platform_system == "Darwin"\n')
+
+
+def fake_sdist(folder: Path, version: str = "0.31.0") -> Path:
+    """A vLLM sdist as PyPI ships it: vllm-X/ with requirements/cpu.txt and a source file."""
+    import io
+    import tarfile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"vllm-{version}.tar.gz"
+    with tarfile.open(path, "w:gz") as tar:
+        for name, text in ((f"vllm-{version}/requirements/cpu.txt", CPU_TXT),
+                           (f"vllm-{version}/vllm/a.py", "one\ntwo\nthree\n")):
+            info = tarfile.TarInfo(name)
+            info.size = len(text.encode())
+            tar.addfile(info, io.BytesIO(text.encode()))
+    return path
+
+
+def cpu_project(proj: Project, monkeypatch: pytest.MonkeyPatch) -> Path:
+    without_patches(proj)
+    sdist = fake_sdist(proj.cache / cpu.INPUTS)
+    from vllmstack.image import sources
+
+    monkeypatch.setitem(sources.VLLM_SDIST_SHA256, "0.31.0", sources.file_sha256(sdist))
+    (proj.patches / "vllm" / "0010-a.patch").write_text(
+        "Subject: s\nWhy: w\nUpstream: u\nMade-for: v0.31.0\nDrop-when: d\n\n"
+        "--- a/vllm/a.py\n+++ b/vllm/a.py\n@@ -1,3 +1,3 @@\n one\n-two\n+2\n three\n")
+    return sdist
+
+
+class GitRunner(RecordingRunner):
+    """Records every command; git and the patch tool really run, with their own cwd and env
+    (an sdist is made into a repository by commands that rely on their cwd)."""
+
+    def run(self, argv: Sequence[str], **kwargs: Any) -> Result:
+        recorded = super().run(argv, **kwargs)
+        if argv[0] == "git" or str(argv[1:2]).endswith("apply-patches.py']"):
+            allowed = {k: kwargs[k] for k in ("capture", "check", "env", "cwd", "timeout") if k in kwargs}
+            return SubprocessRunner().run(argv, **allowed)
+        return recorded
+
+
+def test_cpu_target_builds_the_pinned_sdist_verified_with_the_patch_series(
+        proj: Project, monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu_project(proj, monkeypatch)
+    monkeypatch.chdir(proj.root)  # git never runs in the checkout, whatever a command's cwd
+    runner = GitRunner()
+
+    def pip_download(argv: tuple[str, ...]) -> Result:
+        dest = Path(argv[argv.index("--dest") + 1])
+        (dest / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl").write_bytes(b"wheel")
+        return Result(argv, 0)
+
+    runner.respond([sys.executable, "-m", "pip", "download"], pip_download)
+    resolved = resolve(proj, platform="cpu", model="tiny", overrides=["GPU_ARCH="], environ={})
+    said: list[str] = []
+    outcome = build.build_image(proj, resolved, runner, environ={}, say=said.append)
+    assert outcome.ok, ([f.render() for f in outcome.findings], said)
+    [download] = [c for c in runner.calls if c[1:4] == ("-m", "pip", "download")]
+    assert download[-1] == "torch==2.13.0+cpu"  # the sdist's own CPU pin, for the image's Python
+    assert outcome.report is not None
+    names = [c.name for c in outcome.report.components]
+    assert "vllm" in names and not {"aiter", "flash-attention"} & set(names)  # not this target's
+    [status] = outcome.report.components[0].patches
+    assert status.status == "applies"  # verified on the sdist's tree, offline
+    docker = runner.calls[-1]
+    assert docker[docker.index("--file") + 1] == str(proj.root / build.BUILD_FILE)
+    args = dict(docker[i + 1].split("=", 1) for i, a in enumerate(docker) if a == "--build-arg")
+    assert args["BASE_IMAGE"] == cpu.DEBIAN_BASE and args["FRAMEWORK"] == "framework-cpu"
+    assert (args["VLLM_FETCH"], args["TORCH_VERSION"], args["VLLM_TARGET_DEVICE"]) == (
+        "vllm-sdist", "2.13.0+cpu", "cpu")
+    assert "FETCHCONTENT_FULLY_DISCONNECTED=ON" in args["VLLM_CMAKE_ARGS"]
+    assert not {"ROCM_IMAGE", "GPU_ARCH", "TORCH_INDEX_URL"} & set(args)  # no ROCm pin read
+    labels = outcome.plan.labels if outcome.plan else {}
+    assert labels["vllmstack.patch-list.vllm"] == "0010-a.patch"
+    assert labels["vllmstack.commit.vllm"] == outcome.report.components[0].commit
+    assert labels["vllmstack.vllm-wheel-version"] == (
+        f"0.31.0+cpu.p{patch_set_hash(proj.patches / 'vllm')[:8]}")
+    assert labels["vllmstack.torch"] == "2.13.0+cpu"
+
+
+def test_cpu_target_refuses_a_ref_that_is_not_the_release_and_an_unpinned_sdist(
+        proj: Project, monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu_project(proj, monkeypatch)
+    resolved = resolve(proj, platform="cpu", overrides=["VLLM_REF=main"], environ={})
+    [finding] = build.pin_findings(proj, resolved)
+    assert (finding.code, finding.key, finding.source) == ("cpu-ref-not-release", "VLLM_REF", "--set")
+    resolved = resolve(proj, platform="cpu", overrides=["VLLM_VERSION=0.1.0", "VLLM_REF=v0.1.0"],
+                       environ={})
+    runner = RecordingRunner()
+    outcome = build.build_image(proj, resolved, runner, environ={}, say=lambda _: None)
+    [finding] = outcome.findings
+    assert finding.code == "vllm-sdist-pin" and "VLLM_SDIST_SHA256" in (finding.fix or "")
+    assert outcome.result is None and runner.calls == []
+
+
+def test_cpu_image_findings_compare_the_cpu_pins_only(proj: Project) -> None:
+    resolved = resolve(proj, platform="cpu", environ={})
+    inputs = cpu.SourceInputs(proj.cache, proj.cache / "x.tar.gz", "ab" * 32, "2.13.0+cpu", "")
+    labels = build.image_labels(proj, resolved, VerifyReport([]), inputs=inputs)
+    assert build.image_label_findings(proj, resolved, labels) == []  # no ROCm pin is missed
+    changed = resolve(proj, platform="cpu", overrides=["ONEDNN_REF=" + "1" * 40], environ={})
+    assert [f.key for f in build.image_label_findings(proj, changed, labels)] == ["ONEDNN_REF"]
+    rocm_labels = labels_for(proj, SHIPPED_BASE)  # an image of the rocm target
+    [finding] = build.image_label_findings(proj, resolved, rocm_labels)
+    assert finding.code == "image-target-mismatch"
