@@ -365,3 +365,123 @@ def test_stop_during_a_load_cuts_it_short_and_leaves_no_process(
             waiting.result()
     assert engine_processes(root) == [] and health_status(f"http://127.0.0.1:{engine_port}") is None
     assert "cutting the load of sim-b short" in router.output()
+
+
+# --- issue 22: one router per checkout, signals, the token, start options, load ----------------
+
+
+def test_a_second_router_on_the_checkout_is_refused_and_the_first_keeps_its_record(
+        project: tuple[Path, int], start: Callable[..., Router]) -> None:
+    root, _ = project
+    first = start().wait_ready()
+    record = json.loads((root / "generated" / "router.json").read_text())
+    second = start()
+    assert second.proc.wait(timeout=60) == 1
+    lines = second.output().strip().splitlines()
+    assert lines[-2].startswith("error: another router already serves this checkout "
+                                f"(pid {first.proc.pid}, {first.url}")
+    assert lines[-1].startswith("fix:")
+    assert json.loads((root / "generated" / "router.json").read_text())["pid"] == record["pid"]
+    assert first.health()["status"] == "ok"
+
+
+@pytest.mark.slow
+def test_sighup_stops_the_router_and_its_engine(project: tuple[Path, int],
+                                                start: Callable[..., Router]) -> None:
+    root, engine_port = project
+    router = start().wait_ready()
+    assert router.chat("sim-a").status_code == 200 and len(engine_processes(root)) == 1
+    assert router.stop(signal.SIGHUP) == 0  # closing the terminal
+    assert engine_processes(root) == [] and health_status(f"http://127.0.0.1:{engine_port}") is None
+    assert "stopping (SIGHUP)" in router.output()
+
+
+@pytest.mark.slow
+def test_the_token_reaches_no_engine_and_no_command_line(project: tuple[Path, int],
+                                                         start: Callable[..., Router]) -> None:
+    root, _ = project
+    token_file = root / "router.token"
+    token_file.write_text("t0ken-from-a-file\n")
+    router = start("--token-file", str(token_file), env={"ROUTER_TOKEN": "t0ken-from-env"}).wait_ready()
+    assert router.chat("sim-a").status_code == 401
+    assert router.chat("sim-a", headers={"Authorization": "Bearer t0ken-from-env"}).status_code == 401
+    answer = router.chat("sim-a", headers={"Authorization": "Bearer t0ken-from-a-file"})
+    assert answer.status_code == 200, answer.text
+    engines = engine_processes(root)
+    assert engines
+    for pid in engines:  # the engine (and what it starts) never inherits the router's token
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        assert not any(item.startswith(b"ROUTER_TOKEN=") for item in environ), pid
+    for pid in [router.proc.pid, *engines]:  # and `ps` shows it nowhere
+        assert b"t0ken" not in Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
+@pytest.mark.parametrize(("args", "cause"), [
+    (["--ttl", "-1"], "--ttl -1 is not a usable number of seconds"),
+    (["--ttl", "nan"], "--ttl 'nan' is not a number of seconds"),
+    (["--drain-timeout", "inf"], "--drain-timeout 'inf' is not a number of seconds"),
+    (["--load-timeout", "0"], "--load-timeout 0 is not a usable number of seconds"),
+    (["--load-timeout", "abc"], "--load-timeout 'abc' is not a number of seconds"),
+    (["--port", "70000"], "--port '70000' is not a port"),
+    (["--port", "0"], "--port '0' is not a port"),
+    (["--token-file", "/nonexistent/token"], "--token-file /nonexistent/token: No such file"),
+])
+def test_bad_start_options_are_an_error_and_a_fix(project: tuple[Path, int], args: list[str],
+                                                   cause: str) -> None:
+    root, _ = project
+    done = subprocess.run([sys.executable, "-m", "vllmstack.router", "--project", str(root), *args],
+                          cwd=root, env={**os.environ, "PYTHONPATH": str(ROOT)}, text=True,
+                          capture_output=True, timeout=60, check=False)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert lines[-2].startswith(f"error: {cause}") and lines[-1].startswith("fix:"), lines
+
+
+@pytest.mark.slow
+def test_sigterm_ends_a_stream_in_flight_with_an_sse_error_event(
+        project: tuple[Path, int], start: Callable[..., Router]) -> None:
+    root, engine_port = project
+    router = start().wait_ready()
+    body = {"model": "sim-a", "prompt": "hello", "max_tokens": 5000, "stream": True}
+    with raw_post(router.port, "/v1/completions", body) as sock:
+        read_chunks(sock, lambda d: d.count(b"data: ") >= 3)
+        router.proc.send_signal(signal.SIGTERM)
+        sock.settimeout(10)
+        rest, _ = read_chunks(sock, lambda d: False)  # until the router closed the connection
+    events = [e for e in rest.split(b"\n\n") if b"data: " in e]
+    error = json.loads(events[-1].split(b"data: ", 1)[1].split(b"\r\n")[0])["error"]
+    assert error["code"] == 503 and "the router is stopping" in error["message"]
+    assert not rest.endswith(b"0\r\n\r\n")  # not framed as a complete answer
+    assert router.proc.wait(timeout=60) == 0
+    assert engine_processes(root) == [] and health_status(f"http://127.0.0.1:{engine_port}") is None
+
+
+@pytest.mark.slow
+def test_a_thousand_idle_connections_leave_health_fast(project: tuple[Path, int],
+                                                      start: Callable[..., Router]) -> None:
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < 1200:  # this test's own 1,000 sockets
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(4096, hard), hard))
+    router = start().wait_ready()
+    held = []
+    try:
+        for _ in range(1000):
+            held.append(socket.create_connection(("127.0.0.1", router.port), timeout=10))
+        time.sleep(0.5)
+        times = []
+        for _ in range(30):
+            began = time.perf_counter()
+            with socket.create_connection(("127.0.0.1", router.port), timeout=5) as sock:
+                sock.sendall(b"GET /v1/health HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\r\n")
+                data, _ = read_chunks(sock, lambda d: False)
+            times.append(time.perf_counter() - began)
+            assert data.startswith(b"HTTP/1.1 200"), data[:200]
+        times.sort()
+        print(f"/v1/health beside 1,000 idle connections: median {times[15] * 1e3:.2f} ms, "
+              f"max {times[-1] * 1e3:.2f} ms")
+        assert times[15] < 0.050 and times[-3] < 0.050, times
+    finally:
+        for sock in held:
+            sock.close()
