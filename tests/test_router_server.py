@@ -34,6 +34,7 @@ class FakeEngine:
 
     def __init__(self) -> None:
         self.seen: list[tuple[dict[str, Any], dict[str, str]]] = []
+        self.ports: list[int] = []  # the router's side of each request's engine connection
         self.gone = threading.Event()
         engine = self
 
@@ -43,9 +44,27 @@ class FakeEngine:
             def log_message(self, format: str, *args: Any) -> None:
                 pass
 
+            def do_GET(self) -> None:  # /health
+                self.send_response(200 if self.path == "/health" else 404)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["content-length"])))
                 engine.seen.append((body, {k.lower(): v for k, v in self.headers.items()}))
+                engine.ports.append(self.client_address[1])
+                if body.get("garble"):  # not HTTP at all
+                    self.wfile.write(b"HTTP/1.1 2OO K\r\nnonsense\r\n\r\n")
+                    self.close_connection = True
+                    return
+                if body.get("fail"):
+                    data = b'{"error": {"message": "EngineCore died", "code": 500}}'
+                    self.send_response(500)
+                    self.send_header("content-type", "application/json")
+                    self.send_header("content-length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                    return
                 if body.get("think"):  # a long prefill: nothing is sent; watch for the close
                     deadline = time.monotonic() + 5
                     while time.monotonic() < deadline:
@@ -255,6 +274,10 @@ def test_an_unload_cuts_a_stream_that_outlasts_the_drain_timeout(engine: FakeEng
         sock.settimeout(3)
         rest, _ = read_until(sock, lambda d: False)  # until the router closed the connection
         assert not rest.endswith(b"0\r\n\r\n"), "the cut stream ended as if complete"
+        last = rest.rstrip().split(b"\r\n")[-1]  # the last chunk's data: an SSE error event
+        error = json.loads(last.removeprefix(b"data: "))["error"]
+        assert error["code"] == 503 and error["type"] == "ServiceUnavailableError"
+        assert error["message"] == "the router unloads served (unload)"
         assert engine.gone.wait(3), "the engine kept streaming to nobody"
         health = requests.get(url + "/v1/health", timeout=5).json()
         assert (health["loaded"], health["inflight"]) == (None, 0)
@@ -279,6 +302,7 @@ def test_an_engine_that_stopped_answering_is_502_and_loaded_again_next_time() ->
     with router(f"http://127.0.0.1:{free_port()}") as url:
         answer = requests.post(url + "/v1/completions", json={"model": "served"}, timeout=5)
         assert answer.status_code == 502 and "did not answer" in answer.json()["error"]["message"]
+        assert answer.json()["error"]["type"] == "BadGatewayError"  # the engine's, not a ServerError
         state = requests.get(url + "/v1/health", timeout=5).json()["models"]["served"]
         assert state["state"] == "failed" and "stopped answering" in state["error"]["cause"]
 
@@ -334,3 +358,52 @@ def test_expect_continue_and_a_chunked_request_body(routed: str, engine: FakeEng
         data, _ = read_until(sock, lambda d: b"text_completion" in d)
     assert data.startswith(b"HTTP/1.1 200 OK")
     assert engine.seen[-1][0] == {"model": "served", "prompt": "chunked"}
+
+
+def test_requests_share_kept_alive_engine_connections(routed: str, engine: FakeEngine) -> None:
+    # Issue 22: a new engine connection per request cost ~2 ms of TTFT on the H200.
+    for _ in range(3):
+        assert requests.post(routed + "/v1/completions", json={"model": "served"},
+                             timeout=5).status_code == 200
+    assert len(engine.ports) == 3 and len(set(engine.ports)) == 1
+
+
+def test_an_engine_that_sends_nothing_gets_504_after_the_read_timeout(engine: FakeEngine) -> None:
+    with router(engine.url, limits=Limits(read_timeout=1.0)) as url:
+        began = time.monotonic()
+        answer = requests.post(url + "/v1/completions", json={"model": "served", "think": True},
+                               timeout=10)
+        assert answer.status_code == 504 and time.monotonic() - began < 4
+        error = answer.json()["error"]
+        assert error["type"] == "GatewayTimeoutError" and "ROUTER_UPSTREAM_READ_TIMEOUT" in error["message"]
+        assert engine.gone.wait(3)  # the engine connection was closed: it aborts the request
+
+
+def test_one_malformed_engine_answer_is_502_and_the_engine_stays(routed: str) -> None:
+    answer = requests.post(routed + "/v1/completions", json={"model": "served", "garble": True},
+                           timeout=5)
+    assert answer.status_code == 502 and answer.json()["error"]["type"] == "BadGatewayError"
+    # The engine still answers /health: it stays, no reload (issue 22: one bad answer reloaded).
+    health = requests.get(routed + "/v1/health", timeout=5).json()
+    assert health["state"] == "ready" and len(health["swaps"]) == 1
+    assert requests.post(routed + "/v1/completions", json={"model": "served"},
+                         timeout=5).status_code == 200
+
+
+def test_engine_errors_pass_through_and_a_run_of_them_reloads(engine: FakeEngine) -> None:
+    with router(engine.url, limits=Limits(error_run=2)) as url:
+        first = requests.post(url + "/v1/completions", json={"model": "served", "fail": True},
+                              timeout=5)
+        assert first.status_code == 500 and first.json()["error"]["message"] == "EngineCore died"
+        requests.post(url + "/v1/completions", json={"model": "served", "fail": True}, timeout=5)
+        time.sleep(0.3)
+        state = requests.get(url + "/v1/health", timeout=5).json()["models"]["served"]
+        assert state["state"] == "failed" and "2 answers of 500 or above" in state["error"]["cause"]
+
+
+def test_a_body_over_the_limit_is_413_typed_as_the_clients(engine: FakeEngine) -> None:
+    with router(engine.url, limits=Limits(max_body=2048)) as url:
+        answer = requests.post(url + "/v1/completions", timeout=5,
+                               json={"model": "served", "prompt": "x" * 4096})
+        assert answer.status_code == 413
+        assert answer.json()["error"]["type"] == "RequestTooLargeError" and engine.seen == []
