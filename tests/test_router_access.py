@@ -121,3 +121,42 @@ def test_router_state_for_the_dashboard(tmp_path: Path, health_server: str) -> N
     finally:
         other.kill()
         other.wait()
+
+
+def test_the_routers_limits_are_settings_checked_where_they_were_set(tmp_path: Path) -> None:
+    from vllmstack.config.profiles import resolve
+    from vllmstack.router.limits import Limits, LimitsError, read_limits
+
+    root = copy_project(tmp_path / "stack")
+    write_dotenv(root, {"PLATFORM": "cpu"})
+    assert read_limits(resolve(Project(root), model="qwen3-0.6b", environ={})) == Limits()
+    write_dotenv(root, {"PLATFORM": "cpu", "ROUTER_MAX_BODY_BYTES": "1048576",
+                        "ROUTER_HEADER_TIMEOUT": "nan"})
+    with pytest.raises(LimitsError) as caught:
+        read_limits(resolve(Project(root), model="qwen3-0.6b", environ={}))
+    assert caught.value.cause.startswith("ROUTER_HEADER_TIMEOUT expects a finite number")
+    assert "(set at .env:" in caught.value.cause and "ROUTER_HEADER_TIMEOUT" in (caught.value.fix or "")
+    write_dotenv(root, {"PLATFORM": "cpu", "ROUTER_MAX_BODY_BYTES": "1048576"})
+    limits = read_limits(resolve(Project(root), model="qwen3-0.6b", environ={}))
+    assert limits.max_body == 1048576 and limits.header_timeout == 60.0
+
+
+def test_the_token_comes_from_a_file_the_environment_or_dotenv_never_argv(tmp_path: Path) -> None:
+    from vllmstack.router.options import choose_token
+
+    token_file = tmp_path / "token"
+    token_file.write_text("  from-file\n")
+    env = {"ROUTER_TOKEN": "from-env"}
+    assert choose_token(None, token_file, env, "from-dotenv") == "from-file"
+    assert choose_token(None, None, env, "from-dotenv") == "from-env"
+    assert choose_token(None, None, {}, "from-dotenv") == "from-dotenv"
+    assert choose_token(None, None, {}, "") == ""
+    for bad, cause in ((tmp_path / "missing", "No such file"), (tmp_path, "Is a directory")):
+        with pytest.raises(RouterError, match=cause):
+            choose_token(None, bad, env, "")
+    token_file.write_text("two words\n")
+    with pytest.raises(RouterError, match="characters a client cannot send"):
+        choose_token(None, token_file, env, "")
+    token_file.write_text("\n")
+    with pytest.raises(RouterError, match="is empty"):
+        choose_token(None, token_file, env, "")
