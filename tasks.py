@@ -30,7 +30,7 @@ from vllmstack.cli.fleet_tasks import bench_vs, burn, router  # noqa: F401 (invo
 from vllmstack.cli.llamacpp_tasks import gguf_convert, gpu_check  # noqa: F401
 from vllmstack.cli.maintenance_tasks import template_check, update_check  # noqa: F401
 from vllmstack.cli.task import bench_task, exit_with, stack_task
-from vllmstack.cli.tuning_tasks import tune  # noqa: F401
+from vllmstack.cli.tuning_tasks import calibrate_kv, tune  # noqa: F401
 from vllmstack.cli.values import PORT
 from vllmstack.core.errors import StackError
 

@@ -1,4 +1,4 @@
-"""Tasks that tune the box for a profile: tune (Triton kernel configs)."""
+"""Tasks that tune the box for a profile: tune (Triton kernel configs), calibrate-kv (fp8 KV scales)."""
 
 from __future__ import annotations
 
@@ -82,3 +82,31 @@ def tune(c: Context, kind: str, model: Opt = None, platform: Opt = None, set: Se
     if outcome is None:
         return
     print_json(outcome.as_json()) if json else print(tuning.render_outcome(outcome))
+
+
+CALIBRATE_HELP = {
+    **PROFILE_HELP, **JSON_HELP,
+    "corpus": "UTF-8 text to measure K and V on (default: the bundled essays)",
+    "tokens": "corpus tokens to run through the model (default 32768)",
+    "python": "the engine's Python (default: NATIVE_ENGINE_COMMAND's, else install-engine's)",
+    "force": "measure again even when the calibrated copy is fresh",
+    "dry_run": "print the measuring command, write nothing"}
+CALIBRATE_VALUES = {"corpus": text("a text file", "corpus.txt", empty=False),
+                    "tokens": whole(64, 100_000_000, "a number of tokens", 32768)}
+
+
+@stack_task(iterable=["set"], help=CALIBRATE_HELP, values=CALIBRATE_VALUES)
+def calibrate_kv(c: Context, model: Opt = None, platform: Opt = None, set: Sets = None,
+                 corpus: Opt = None, tokens: int = 32768, python: Opt = None, force: bool = False,
+                 dry_run: bool = False, json: bool = False) -> None:
+    """Measure fp8 KV-cache scales on text; write a calibrated copy of the checkpoint (files linked)."""
+    from pathlib import Path
+
+    from vllmstack.models import kv_calibration as kv
+
+    resolved, project = resolve_here(model, platform, set), project_here()
+    done = kv.ensure_calibrated(project, resolved, make_runner(dry_run), os.environ,
+                                corpus=Path(corpus).expanduser() if corpus else None, python=python,
+                                force=force, tokens=tokens)
+    if done is not None:
+        print_json(done.as_json()) if json else print(kv.render_calibration(done))

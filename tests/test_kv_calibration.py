@@ -1,0 +1,165 @@
+"""`invoke calibrate-kv`: the scale gate, the calibrated copy vLLM reads, freshness, and the
+measurement itself on the CPU engine's Python (torch + transformers)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import ROOT, need
+
+from vllmstack.config.profiles import resolve
+from vllmstack.core.paths import Project
+from vllmstack.core.runner import RecordingRunner, Result
+from vllmstack.models import kv_calibration as kv
+from vllmstack.models import tiny
+
+ENGINE_PYTHON = ROOT / ".cache" / "engines" / "vllm-0.32.0+cpu" / "bin" / "python"
+
+
+def read_scales(path: Path) -> dict[str, float]:
+    raw = path.read_bytes()
+    (size,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + size])
+    header.pop("__metadata__")
+    out = {}
+    for name, entry in header.items():
+        assert entry["dtype"] == "F32" and entry["shape"] == [1]
+        start, _ = entry["data_offsets"]
+        (out[name],) = struct.unpack("<f", raw[8 + size + start:8 + size + start + 4])
+    return out
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3", "num_hidden_layers": 2}))
+    (folder / "model.safetensors").write_bytes(b"weights")
+    (folder / "tokenizer.json").write_text("{}")
+    return folder
+
+
+def plan_for(project: Project, model: Path, tmp_path: Path,
+             corpus_text: str = "some text") -> kv.CalibrationPlan:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(corpus_text)
+    resolved = resolve(project, model="tiny", platform="cpu",
+                       overrides=[f"VLLM_MODEL={model}", f"MODELS_DIR={tmp_path / 'models'}"])
+    return kv.plan_calibration(project, resolved, {"HOME": str(tmp_path)}, corpus=corpus)
+
+
+SCALES = {"model.layers.0.self_attn": {"k_scale": 0.02, "v_scale": 0.01},
+          "model.layers.1.self_attn": {"k_scale": 0.3, "v_scale": 0.004}}
+VERSIONS = {"engine": "0.32.0+cpu", "python": "/x/python"}
+
+
+def test_a_zero_or_broken_scale_is_refused_and_nothing_written(project: Project, model: Path,
+                                                                tmp_path: Path) -> None:
+    plan = plan_for(project, model, tmp_path)
+    for bad in (0.0, -1.0, math.nan, math.inf, None):
+        scales = {**SCALES, "model.layers.1.self_attn": {"k_scale": bad, "v_scale": 0.01}}
+        assert kv.scale_problems(scales)  # type: ignore[arg-type]
+        with pytest.raises(kv.CalibrationError, match="refusing"):
+            kv.write_calibrated_copy(plan, scales, plan.identity(VERSIONS))  # type: ignore[arg-type]
+        assert not plan.target.exists()
+    assert kv.scale_problems({}) == ["no attention layer was measured"]
+
+
+def test_the_copy_links_the_weights_and_carries_what_vllm_reads(project: Project, model: Path,
+                                                                 tmp_path: Path) -> None:
+    plan = plan_for(project, model, tmp_path)
+    folder = kv.write_calibrated_copy(plan, SCALES, plan.identity(VERSIONS))
+    assert folder == tmp_path / "models" / "calibrated" / "m-kv-fp8"
+    weights = folder / "model.safetensors"
+    assert weights.is_symlink() and weights.resolve() == (model / "model.safetensors").resolve()
+    config = json.loads((folder / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "compressed-tensors"
+    assert config["quantization_config"]["kv_cache_scheme"] == kv.KV_SCHEME
+    assert json.loads((model / "config.json").read_text()) == {"model_type": "qwen3",
+                                                               "num_hidden_layers": 2}  # source untouched
+    scales = read_scales(folder / kv.SCALES_FILE)
+    assert scales["model.layers.1.self_attn.k_scale"] == pytest.approx(0.3)
+    assert set(scales) == {f"model.layers.{i}.self_attn.{k}" for i in (0, 1) for k in ("k_scale", "v_scale")}
+
+
+def test_an_index_names_the_scales_and_fp8_or_other_quantization(project: Project, model: Path,
+                                                                  tmp_path: Path) -> None:
+    index = {"weight_map": {"a": "model.safetensors"}}
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    plan = plan_for(project, model, tmp_path)
+    folder = kv.write_calibrated_copy(plan, SCALES, plan.identity(VERSIONS))
+    weight_map = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    assert weight_map["model.layers.0.self_attn.v_scale"] == kv.SCALES_FILE and weight_map["a"]
+    fp8 = {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+    assert kv.calibrated_config(fp8) == fp8  # Fp8Config loads the scale tensors itself
+    with pytest.raises(kv.CalibrationError, match="awq"):
+        kv.calibrated_config({"quantization_config": {"quant_method": "awq"}})
+
+
+def test_a_stale_sidecar_is_named_and_a_fresh_one_kept(project: Project, model: Path, tmp_path: Path) -> None:
+    plan = plan_for(project, model, tmp_path)
+    assert kv.staleness(plan, VERSIONS) == "no calibrated copy yet"
+    kv.write_calibrated_copy(plan, SCALES, plan.identity(VERSIONS))
+    assert kv.staleness(plan, VERSIONS) is None
+    assert "tool versions" in (kv.staleness(plan, {**VERSIONS, "engine": "0.33.0"}) or "")
+    other_corpus = plan_for(project, model, tmp_path, corpus_text="other text")
+    assert "corpus" in (kv.staleness(other_corpus, VERSIONS) or "")
+    os.utime(model / "model.safetensors", ns=(1, 1))  # new weights under the same name
+    assert "source snapshot" in (kv.staleness(plan_for(project, model, tmp_path), VERSIONS) or "")
+    # A sidecar whose scales went bad (hand-edited, or an old calibrator's zeros) is rebuilt.
+    sidecar = json.loads((plan.target / kv.SIDECAR).read_text())
+    sidecar["scales"]["model.layers.0.self_attn"]["k_scale"] = 0.0
+    (plan.target / kv.SIDECAR).write_text(json.dumps(sidecar))
+    assert "unusable" in (kv.staleness(plan, VERSIONS) or "")
+
+
+def test_ensure_measures_once_then_keeps_the_fresh_copy(project: Project, model: Path,
+                                                        tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("text")
+    resolved = resolve(project, model="tiny", platform="cpu",
+                       overrides=[f"VLLM_MODEL={model}", f"MODELS_DIR={tmp_path / 'models'}",
+                                  "NATIVE_ENGINE_COMMAND=/opt/py/bin/python3 -m vllm.entrypoints.cli.main"])
+    runner = RecordingRunner()
+
+    def measure(argv: tuple[str, ...]) -> Result:
+        Path(argv[5]).write_text(json.dumps({"tokens": 99, "versions": {"torch": "t"}, "layers": {
+            "model.layers.0.self_attn": {"k_amax": 4.48, "v_amax": 0.448}}}))
+        return Result(argv, 0)
+
+    runner.respond(["/opt/py/bin/python3", "-m", "vllmstack.models.kv_calibrate_runner"], measure)
+    env = {"HOME": str(tmp_path)}
+    made = kv.ensure_calibrated(project, resolved, runner, env, corpus=corpus)
+    assert made is not None and made.made and made.reason == "no calibrated copy yet"
+    assert made.sidecar["scales"]["model.layers.0.self_attn"] == {"k_scale": 0.01, "v_scale": 0.001}
+    again = kv.ensure_calibrated(project, resolved, runner, env, corpus=corpus)
+    assert again is not None and not again.made and len(runner.calls) == 1
+    zero = RecordingRunner()
+    zero.respond(["/opt/py/bin/python3"], lambda argv: (Path(argv[5]).write_text(json.dumps(
+        {"layers": {"model.layers.0.self_attn": {"k_amax": 0.0, "v_amax": 1.0}}})), Result(argv, 0))[1])
+    with pytest.raises(kv.CalibrationError, match="zero"):
+        kv.ensure_calibrated(project, resolved, zero, env, corpus=corpus, force=True)
+    assert kv.read_sidecar(made.folder) is not None  # the good copy survived the refused one
+
+
+def test_the_runner_measures_every_layer_on_a_real_model(tmp_path: Path) -> None:
+    need(ENGINE_PYTHON.is_file(), "the CPU engine's Python (invoke install-engine --platform cpu)")
+    folder = tiny.make_model("tiny", out=tmp_path / "tiny").folder
+    out = tmp_path / "amax.json"
+    done = subprocess.run([str(ENGINE_PYTHON), "-m", "vllmstack.models.kv_calibrate_runner", str(folder),
+                           str(kv.DEFAULT_CORPUS), str(out), "--tokens", "2048"], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    measured: dict[str, Any] = json.loads(out.read_text())
+    assert measured["tokens"] == 2048
+    scales = kv.scales_from_amax(measured["layers"])
+    assert sorted(scales) == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    assert kv.scale_problems(scales) == []
