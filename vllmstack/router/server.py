@@ -225,7 +225,7 @@ class RouterApp:
                 url = await self.manager.acquire(entry, self.timeout_for(entry))
             except (LoadFailedError, RouterBusyError) as exc:
                 return self.failed(entry, exc)
-            cut = Cut(task=asyncio.current_task())
+            cut = Cut(task=asyncio.current_task(), transport=request.transport)
             self.manager.hold(cut)
             try:
                 return await self.forward(request, entry, url + target, headers, body, cut,
@@ -233,6 +233,7 @@ class RouterApp:
             except SendAgainError:
                 continue
             finally:
+                cut.done = True
                 self.manager.unhold(cut)
                 self.manager.release()
         raise AssertionError("unreachable: the second attempt never retries")

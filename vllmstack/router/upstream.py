@@ -26,6 +26,7 @@ from vllmstack.router.limits import Limits
 
 UPSTREAM_KEEPALIVE_S = 4.0
 PROBE_TIMEOUT_S = 2.0
+CUT_ABORT_S = 2.0
 # Hop-by-hop headers (RFC 9110 7.6.1) and those each side sets for itself.
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "proxy-authenticate",
                         "proxy-authorization", "te", "trailer", "transfer-encoding", "upgrade",
@@ -44,20 +45,29 @@ class UpstreamError(Exception):
 class Cut:
     """How a forwarded request is ended early by the router (a swap's drain, a stop), with a
     reason: the engine connection is closed (the engine aborts the request) and the client's
-    stream ends with an error event; before the engine's answer began, the wait is cancelled."""
+    stream ends with an error event; before the engine's answer began, the wait is cancelled. A
+    request still not ended CUT_ABORT_S later (its client reads nothing, so the error event
+    cannot be written) loses its client connection: a drain never waits on a stalled client."""
 
     task: asyncio.Task[Any] | None = None  # the request's handler
+    transport: asyncio.Transport | None = None  # its client connection
     reason: str = ""
     answer: aiohttp.ClientResponse | None = None
+    done: bool = False  # the request ended (its connection may serve the next one)
 
     def __call__(self, reason: str) -> None:
-        if self.reason:
+        if self.reason or self.done:
             return
         self.reason = reason
         if self.answer is not None:
             self.answer.close()  # the pending read ends now; the engine sees the close
         elif self.task is not None:
             self.task.cancel()
+        asyncio.get_running_loop().call_later(CUT_ABORT_S, self._abort)
+
+    def _abort(self) -> None:
+        if not self.done and self.transport is not None and not self.transport.is_closing():
+            self.transport.abort()  # connection_lost cancels the handler, which then ends
 
 
 def listed_in_connection(headers: Iterable[tuple[str, str]]) -> frozenset[str]:
