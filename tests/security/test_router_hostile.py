@@ -168,8 +168,8 @@ def alive(port: int) -> None:
 
 
 def post(path: str, body: bytes, extra: bytes = b"") -> bytes:
-    return (f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-length: {len(body)}\r\n".encode()
-            + extra + b"\r\n" + body)
+    return (f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n"
+            f"content-length: {len(body)}\r\n".encode() + extra + b"\r\n" + body)
 
 
 def chunked(path: str, chunks: bytes, extra: bytes = b"") -> bytes:
@@ -300,7 +300,7 @@ def test_paths_outside_the_routes_are_404_and_never_forwarded(port: int, engine:
 def test_a_request_that_passes_reaches_only_its_route_without_hop_by_hop_headers(
         port: int, engine: Engine) -> None:
     extra = b"".join(f"{name}: 1\r\n".encode() for name in HOP) + b"connection: x-secret\r\n"
-    data = exchange(port, post("/v1/completions?stream=0", GOOD, extra + b"connection: close\r\n"))
+    data = exchange(port, post("/v1/completions?stream=0", GOOD, extra))
     assert status(data) == 200, data[:300]
     method, path, headers, body = engine.seen[-1]
     assert (method, path, body) == ("POST", "/v1/completions?stream=0", GOOD)
@@ -353,7 +353,7 @@ def test_a_malformed_request_in_a_pipeline_ends_the_connection(port: int, engine
     # The parser refuses the burst at the malformed request: at most the one before it is
     # served, nothing after it, and the connection ends with the 400.
     before = len(engine.seen)
-    good = post("/v1/completions", GOOD)
+    good = post("/v1/completions", GOOD).replace(b"connection: close\r\n", b"")
     data = exchange(port, good + b"POST /v1/completions HTTP/1.1\r\nhost: x\nbad: 1\r\n\r\n" + good)
     assert data.count(b" 400 Bad Request") == 1 and data.rstrip().endswith(b"}"), data[:600]
     assert len(engine.seen) - before == data.count(b" 200 OK") <= 1
@@ -373,6 +373,6 @@ def test_connections_over_the_cap_get_503_and_the_cap_frees_up(port: int) -> Non
 
 
 def test_after_the_hostile_pass_the_engine_saw_only_routed_requests(port: int, engine: Engine) -> None:
-    assert status(exchange(port, post("/v1/completions", GOOD, b"connection: close\r\n"))) == 200
+    assert status(exchange(port, post("/v1/completions", GOOD))) == 200
     assert {path.split("?")[0] for _, path, _, _ in engine.seen} <= {"/v1/completions", "/health"}
     alive(port)
