@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 from array import array
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -282,7 +282,8 @@ def content_hash(folder: Path) -> str:
 
 
 def make_model(preset: str, *, hf_cache: Path | None = None, out: Path | None = None,
-               force: bool = False, seed: int = 0) -> MadeModel:
+               force: bool = False, seed: int = 0, repo: str | None = None,
+               post: Callable[[Path], None] | None = None) -> MadeModel:
     """Write the preset's model into the HF cache (or `out`); an existing one is kept unless `force`."""
     geometry = PRESETS.get(preset)
     if geometry is None:
@@ -290,21 +291,26 @@ def make_model(preset: str, *, hf_cache: Path | None = None, out: Path | None = 
     if (hf_cache is None) == (out is None):
         raise ModelMakerError("give either the Hugging Face cache or an output folder", None)
     started = time.monotonic()
-    existing = cached_snapshot(hf_cache, geometry.repo) if hf_cache is not None else (
+    # `repo` and `post` make a variant (make-model --trained: trains the files in `post`, before
+    # they are hashed into a snapshot or renamed into place).
+    repo = repo or geometry.repo
+    existing = cached_snapshot(hf_cache, repo) if hf_cache is not None else (
         out if out is not None and (out / "model.safetensors").is_file() else None)
     if existing is not None and not force:
         config = json.loads((existing / "config.json").read_text())
         size = sum(p.stat().st_size for p in existing.iterdir())
         params = sum(_count(s) for _, s in tensor_shapes(geometry, int(config["vocab_size"])))
-        return MadeModel(preset, geometry.repo, existing, int(config["vocab_size"]), params, size,
+        return MadeModel(preset, repo, existing, int(config["vocab_size"]), params, size,
                          time.monotonic() - started, made=False)
-    parent = hub_repo_folder(hf_cache, geometry.repo) if hf_cache is not None else out.parent  # type: ignore[union-attr]
+    parent = hub_repo_folder(hf_cache, repo) if hf_cache is not None else out.parent  # type: ignore[union-attr]
     parent.mkdir(parents=True, exist_ok=True)
     # Built beside its destination and renamed into place, so a reader never sees half a model.
     staging = Path(tempfile.mkdtemp(prefix=".making-", dir=parent))
     staging.chmod(0o755)  # mkdtemp's 0700 would hide the model from a container running as another user
     try:
         vocab, parameters, size = write_model_files(staging, geometry, seed=seed)
+        if post is not None:
+            post(staging)
         if hf_cache is not None:
             revision = content_hash(staging)
             target = parent / "snapshots" / revision
@@ -325,7 +331,7 @@ def make_model(preset: str, *, hf_cache: Path | None = None, out: Path | None = 
     finally:
         if staging.exists():
             shutil.rmtree(staging)
-    return MadeModel(preset, geometry.repo, target, vocab, parameters, size,
+    return MadeModel(preset, repo, target, vocab, parameters, size,
                      time.monotonic() - started, made=True)
 
 

@@ -1,0 +1,91 @@
+"""`invoke make-model --trained`: the tiny Qwen3, trained on the bundled corpus until its held-out
+perplexity is far below random, so activations, perplexity, recall and KV scales mean something.
+
+The random model is written as `make-model` writes it, then `train_runner.py` trains it in place
+in the engine's Python (torch and transformers; the CPU engine's environment has both), before
+the files are hashed into their snapshot: the trained model is its own repo,
+`vllmstack/tiny-qwen3-trained`, and the random one stays. The training's numbers go into the
+model's own record (vllmstack-model.json, "trained"); a run that does not get below the target
+is refused, so a "trained" model is never a random one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from vllmstack.config.profiles import Resolved
+from vllmstack.config.schema import load_schema
+from vllmstack.core.errors import StackError
+from vllmstack.core.paths import Project
+from vllmstack.core.runner import Runner
+from vllmstack.models import tiny
+from vllmstack.models.kv_calibration import DEFAULT_CORPUS, engine_python
+from vllmstack.runtime.engine_env import engine_environment, stack_paths
+
+TRAINED_SUFFIX = "-trained"
+TARGET_RATIO = 0.05  # held-out perplexity below 5 % of the vocabulary (random guessing: 100 %)
+
+
+class TrainingError(StackError):
+    """The model could not be trained far enough; `fix` says what to do."""
+
+
+def train_argv(python: str, folder: Path, corpus: Path, out: Path, *, max_minutes: float,
+               max_steps: int) -> list[str]:
+    return [python, "-m", "vllmstack.models.train_runner", str(folder), str(corpus), str(out),
+            "--max-minutes", str(max_minutes), "--max-steps", str(max_steps),
+            "--target-ratio", str(TARGET_RATIO)]
+
+
+def record_training(folder: Path, result: Mapping[str, Any]) -> None:
+    """Refuse an undertrained model; note the numbers in the model's record."""
+    final, target = float(result.get("final_ppl", "inf")), float(result.get("target_ppl", 0))
+    if not final < target:
+        raise TrainingError(
+            f"training stopped at held-out perplexity {final:.1f} after {result.get('steps')} steps "
+            f"({result.get('seconds')} s); the target is {target:.1f} (random: {result.get('random_ppl')})",
+            "give it more time (--max-minutes), or train where the engine has a GPU")
+    record_path = folder / tiny.MODEL_RECORD
+    record = json.loads(record_path.read_text())
+    record["trained"] = {k: result[k] for k in ("initial_ppl", "final_ppl", "target_ppl", "random_ppl",
+                                                  "steps", "seconds", "train_tokens", "heldout_tokens",
+                                                  "versions") if k in result}
+    record_path.write_text(json.dumps(record, indent=1) + "\n")
+
+
+def make_trained(project: Project, resolved: Resolved, runner: Runner, environ: Mapping[str, str], *,
+                 preset: str = "tiny", out: Path | None = None, force: bool = False,
+                 python: str | None = None, max_minutes: float = 20.0,
+                 max_steps: int = 3000) -> tiny.MadeModel | None:
+    """Make and train; None in --dry-run (the training command was printed)."""
+    geometry = tiny.PRESETS.get(preset)
+    if geometry is None:
+        raise TrainingError(f"unknown model preset {preset!r}", f"use one of: {', '.join(tiny.PRESETS)}")
+    interpreter = engine_python(project, resolved, python)
+    env = {**environ, "PYTHONNOUSERSITE": "1", **engine_environment(resolved, load_schema()),
+           "PYTHONPATH": os.pathsep.join(p for p in (str(project.root), environ.get("PYTHONPATH", "")) if p)}
+    if runner.dry_run:
+        runner.run(train_argv(interpreter, Path("<new model>"), DEFAULT_CORPUS, Path("<result.json>"),
+                              max_minutes=max_minutes, max_steps=max_steps), env=env, cwd=project.root)
+        return None
+
+    def train(folder: Path) -> None:
+        result_path = folder.parent / f"{folder.name}.training.json"
+        try:
+            done = runner.run(train_argv(interpreter, folder, DEFAULT_CORPUS, result_path,
+                                         max_minutes=max_minutes, max_steps=max_steps),
+                              env=env, cwd=project.root, timeout=max_minutes * 60 + 600, capture=False)
+            if not result_path.is_file():
+                raise TrainingError(f"the training wrote no result (exit {done.returncode})",
+                                    "its output is above; the engine's Python needs torch and transformers")
+            record_training(folder, json.loads(result_path.read_text()))
+        finally:
+            result_path.unlink(missing_ok=True)
+
+    hf_cache = None if out is not None else stack_paths(resolved, environ).hf_cache
+    return tiny.make_model(preset, hf_cache=hf_cache, out=out, force=force,
+                           repo=geometry.repo + TRAINED_SUFFIX, post=train)
