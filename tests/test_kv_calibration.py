@@ -163,3 +163,19 @@ def test_the_runner_measures_every_layer_on_a_real_model(tmp_path: Path) -> None
     scales = kv.scales_from_amax(measured["layers"])
     assert sorted(scales) == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
     assert kv.scale_problems(scales) == []
+
+
+def test_the_quality_gate_compares_fp8_with_bf16_and_checks_the_scales_were_used() -> None:
+    scales = {"model.layers.0.self_attn": {"k_scale": 0.0097, "v_scale": 0.0032}}
+    bf16 = {"ppl": 50.0, "recall_mean": 0.8, "scales": {"model.layers.0.self_attn.attn": [1.0, 1.0]}}
+    fp8 = {"ppl": 50.9, "recall_mean": 0.78, "scales": {"model.layers.0.self_attn.attn": [0.0097, 0.0032]}}
+    ok, lines = kv.quality_verdict(bf16, fp8, scales)
+    assert ok and all(line.startswith("PASS") for line in lines)
+    worse = {**fp8, "ppl": 51.5}  # +3 %
+    assert not kv.quality_verdict(bf16, worse, scales)[0]
+    forgetful = {**fp8, "recall_mean": 0.7}  # 87.5 % of bf16's
+    assert not kv.quality_verdict(bf16, forgetful, scales)[0]
+    # vLLM fell back to scale 1.0: the copy's scales were not loaded, whatever the numbers say.
+    ignored = {**fp8, "scales": {"model.layers.0.self_attn.attn": [1.0, 1.0]}}
+    ok, lines = kv.quality_verdict(bf16, ignored, scales)
+    assert not ok and lines[-1].startswith("FAIL vLLM used the calibrated scales")

@@ -297,3 +297,70 @@ def render_calibration(calibration: Calibration) -> str:
         lines.append(f"  {layer}: k_scale {pair['k_scale']:.4g}  v_scale {pair['v_scale']:.4g}")
     lines.append(f"serve it: --set VLLM_MODEL={calibration.folder} --set VLLM_KV_CACHE_DTYPE=fp8")
     return "\n".join(lines)
+
+
+# --- quality gate: fp8 KV against bf16 KV on the calibrated copy --------------------------------
+
+PPL_TOLERANCE = 0.02  # fp8-KV perplexity at most 2 % above bf16-KV's
+RECALL_FLOOR = 0.95  # fp8-KV long-context recall at least 95 % of bf16-KV's
+
+
+def quality_verdict(bf16: Mapping[str, Any], fp8: Mapping[str, Any],
+                    scales: Mapping[str, Mapping[str, float]]) -> tuple[bool, list[str]]:
+    """PASS when fp8 KV keeps perplexity within PPL_TOLERANCE and recall within RECALL_FLOOR of
+    bf16 KV, and vLLM really used the calibrated scales (not its default 1.0)."""
+    lines, ok = [], True
+    ppl16, ppl8 = float(bf16.get("ppl", math.inf)), float(fp8.get("ppl", math.inf))
+    rise = ppl8 / ppl16 - 1 if math.isfinite(ppl16) and ppl16 > 0 else math.inf
+    passed = math.isfinite(rise) and rise <= PPL_TOLERANCE
+    ok &= passed
+    lines.append(f"{'PASS' if passed else 'FAIL'} perplexity: bf16 KV {ppl16:.3f}, fp8 KV {ppl8:.3f} "
+                 f"({rise:+.2%}; limit +{PPL_TOLERANCE:.0%})")
+    r16, r8 = float(bf16.get("recall_mean", 0)), float(fp8.get("recall_mean", 0))
+    passed = r8 >= RECALL_FLOOR * r16
+    ok &= passed
+    empty = " - bf16 recalls nothing: the probe says little about this model" if not r16 else ""
+    lines.append(f"{'PASS' if passed else 'FAIL'} recall: bf16 KV {r16:.1%}, fp8 KV {r8:.1%} "
+                 f"(at least {RECALL_FLOOR:.0%} of bf16){empty}")
+    used = fp8.get("scales") or {}
+    wanted = [pair["k_scale"] for pair in scales.values()]
+    seen = [pair[0] for pair in used.values()]
+    loaded = bool(seen) and all(any(math.isclose(s, w, rel_tol=1e-3) for s in seen) for w in wanted)
+    ok &= loaded
+    lines.append(f"{'PASS' if loaded else 'FAIL'} vLLM used the calibrated scales "
+                 f"(k_scale seen: {', '.join(f'{s:.4g}' for s in seen[:4]) or 'none'})")
+    return ok, lines
+
+
+def heldout_text(corpus: Path, work: Path) -> Path:
+    """The last fifth of the corpus, which the calibration's first tokens did not include."""
+    text = corpus.read_text(encoding="utf-8")
+    path = work / "heldout.txt"
+    path.write_text(text[int(len(text) * 0.8):], encoding="utf-8")
+    return path
+
+
+def run_quality_gate(project: Project, resolved: Resolved, runner: Runner, environ: Mapping[str, str],
+                     calibration: Calibration, *, python: str | None = None,
+                     corpus: Path | None = None) -> tuple[bool, list[str]]:
+    """Serve the calibrated copy in vLLM twice (bf16 KV, fp8 KV) and compare."""
+    interpreter = engine_python(project, resolved, python)
+    env = {**environ, "PYTHONNOUSERSITE": "1", **engine_environment(resolved, load_schema()),
+           "PYTHONPATH": os.pathsep.join(p for p in (str(project.root), environ.get("PYTHONPATH", "")) if p)}
+    work = Path(tempfile.mkdtemp(prefix="kv-quality-"))
+    try:
+        heldout = heldout_text(corpus or DEFAULT_CORPUS, work)
+        results = {}
+        for dtype in ("auto", "fp8"):
+            out = work / f"{dtype}.json"
+            argv = [interpreter, "-m", "vllmstack.models.kv_quality_runner", str(calibration.folder),
+                    str(heldout), str(out), "--kv-cache-dtype", dtype]
+            done = runner.run(argv, env=env, cwd=project.root, timeout=1800)
+            if not out.is_file():
+                said = (done.stderr or done.stdout).strip()[-600:]
+                raise CalibrationError(f"the quality run with {dtype} KV wrote nothing (exit "
+                                       f"{done.returncode}): {said}", "run it by hand to see why")
+            results[dtype] = json.loads(out.read_text())
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return quality_verdict(results["auto"], results["fp8"], calibration.sidecar.get("scales") or {})

@@ -1,0 +1,108 @@
+"""The quality side of `invoke calibrate-kv --gate`: run in the engine's Python, as
+`python -m vllmstack.models.kv_quality_runner MODEL HELDOUT OUT --kv-cache-dtype fp8|auto`.
+
+It loads the model in vLLM itself (offline `LLM`, one process, eager) with the KV cache dtype
+asked for, and measures what the cache's precision can change:
+
+* perplexity of held-out text, from vLLM's prompt logprobs (every token scored against the KV of
+  the tokens before it);
+* long-context recall: a needle (a run of corpus tokens) is placed at several depths of a long
+  filler context, its first tokens are repeated at the end, and greedy decoding must continue it;
+  the score is the share of needle tokens reproduced (copying an earlier span is what attention
+  over a quantized cache has to get right).
+
+It also reports the k/v scales vLLM ended up using per attention layer, so the host can check the
+calibrated ones were really loaded. Only stdlib, vLLM and tokenizers are imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import os
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _mod(name: str) -> Any:
+    return importlib.import_module(name)
+
+
+def loaded_scales(llm: Any) -> dict[str, list[float]]:
+    """k/v scales of every attention layer, read from the engine's model (in-process engine)."""
+    found: dict[str, list[float]] = {}
+    try:
+        runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+    except AttributeError:
+        return found
+    for name, module in model.named_modules():
+        if hasattr(module, "_k_scale_float") and hasattr(module, "_v_scale_float"):
+            found[name] = [float(module._k_scale_float), float(module._v_scale_float)]
+    return found
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="kv_quality_runner")
+    parser.add_argument("model", type=Path)
+    parser.add_argument("heldout", type=Path)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--ppl-tokens", type=int, default=2048)
+    parser.add_argument("--context", type=int, default=1536)
+    parser.add_argument("--needle", type=int, default=12)
+    parser.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
+    parser.add_argument("--trials", type=int, default=4)
+    args = parser.parse_args(argv)
+    # One process: the scales are read from the model object after loading.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    vllm = _mod("vllm")
+    tokenizer = _mod("tokenizers").Tokenizer.from_file(str(args.model / "tokenizer.json"))
+    ids = tokenizer.encode(args.heldout.read_text(encoding="utf-8")).ids
+    llm = vllm.LLM(model=str(args.model), kv_cache_dtype=args.kv_cache_dtype, enforce_eager=True,
+                   max_model_len=max(args.ppl_tokens, args.context) + 64, seed=0,
+                   gpu_memory_utilization=0.5)
+    text_ids = ids[:args.ppl_tokens]
+    scored = llm.generate([{"prompt_token_ids": text_ids}],
+                          vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0))
+    logprobs = scored[0].prompt_logprobs or []
+    total = [entry[tok].logprob for tok, entry in zip(text_ids[1:], logprobs[1:], strict=False)
+             if entry and tok in entry]
+    ppl = math.exp(-sum(total) / len(total)) if total else math.inf
+    rng = random.Random(0)
+    depths = [float(d) for d in args.depths.split(",")]
+    recall: dict[str, float] = {}
+    prompts, expected = [], []
+    for depth in depths:
+        for _ in range(args.trials):
+            start = rng.randrange(0, max(1, len(ids) - args.needle))
+            needle = ids[start:start + args.needle]
+            filler_start = rng.randrange(0, max(1, len(ids) - args.context))
+            filler = ids[filler_start:filler_start + args.context - 2 * args.needle]
+            at = int(depth * len(filler))
+            cue = needle[:args.needle // 3]
+            prompts.append({"prompt_token_ids": filler[:at] + needle + filler[at:] + cue})
+            expected.append(needle[len(cue):])
+    outputs = llm.generate(prompts, vllm.SamplingParams(max_tokens=args.needle, temperature=0,
+                                                        ignore_eos=True))
+    for index, depth in enumerate(depths):
+        hits = 0
+        for trial in range(args.trials):
+            k = index * args.trials + trial
+            got = list(outputs[k].outputs[0].token_ids)
+            hits += sum(1 for a, b in zip(got, expected[k], strict=False) if a == b)
+        recall[str(depth)] = hits / (args.trials * len(expected[0]))
+    result = {"kv_cache_dtype": args.kv_cache_dtype, "ppl": ppl, "ppl_tokens": len(total),
+              "recall": recall, "recall_mean": sum(recall.values()) / len(recall),
+              "scales": loaded_scales(llm), "vllm": str(vllm.__version__)}
+    args.out.write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: result[k] for k in ("kv_cache_dtype", "ppl", "recall_mean")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
