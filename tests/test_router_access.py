@@ -160,3 +160,29 @@ def test_the_token_comes_from_a_file_the_environment_or_dotenv_never_argv(tmp_pa
     token_file.write_text("\n")
     with pytest.raises(RouterError, match="is empty"):
         choose_token(None, token_file, env, "")
+
+
+def test_the_open_file_limit_is_raised_to_fit_the_connection_cap(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Issue 22: 1,100 idle connections exhausted a default `ulimit -n` of 1024.
+    import resource
+
+    from vllmstack.router import service
+    from vllmstack.router.limits import Limits
+
+    limits: dict[str, tuple[int, int]] = {"now": (1024, 4096)}
+    monkeypatch.setattr(resource, "getrlimit", lambda which: limits["now"])
+
+    def setrlimit(which: int, value: tuple[int, int]) -> None:
+        if value[0] > value[1]:
+            raise ValueError("not allowed to raise maximum limit")
+        limits["now"] = value
+
+    monkeypatch.setattr(resource, "setrlimit", setrlimit)
+    said: list[str] = []
+    fitted = service.fit_open_files(Limits(max_connections=2000), said.append)
+    assert fitted.max_connections == 2000 and limits["now"] == (2256, 4096) and said == []
+    limits["now"] = (1024, 1024)  # a hard limit the router cannot pass: a smaller cap, said
+    fitted = service.fit_open_files(Limits(max_connections=2000), said.append)
+    assert fitted.max_connections == 1024 - service.FD_RESERVE
+    assert "serving at most 768 client connections instead of 2000" in said[0]
