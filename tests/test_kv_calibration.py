@@ -179,3 +179,35 @@ def test_the_quality_gate_compares_fp8_with_bf16_and_checks_the_scales_were_used
     ignored = {**fp8, "scales": {"model.layers.0.self_attn.attn": [1.0, 1.0]}}
     ok, lines = kv.quality_verdict(bf16, ignored, scales)
     assert not ok and lines[-1].startswith("FAIL vLLM used the calibrated scales")
+
+
+def kv_findings(project: Project, model_dir: Path, kv_dtype: str = "fp8") -> list[Any]:
+    from vllmstack.checks.registry import run_checks
+
+    resolved = resolve(project, model="tiny", platform="cpu",
+                       overrides=[f"VLLM_MODEL={model_dir}", f"VLLM_KV_CACHE_DTYPE={kv_dtype}"])
+    findings, _ = run_checks(project, resolved, {"HOME": "/nonexistent"})
+    return [f for f in findings if f.code.startswith("kv-")]
+
+
+def test_up_refuses_zero_scales_and_a_stale_copy_and_warns_without_scales(project: Project, model: Path,
+                                                                          tmp_path: Path) -> None:
+    plan = plan_for(project, model, tmp_path)
+    folder = kv.write_calibrated_copy(plan, SCALES, plan.identity(VERSIONS))
+    assert kv_findings(project, folder) == []
+    sidecar = json.loads((folder / kv.SIDECAR).read_text())
+    sidecar["scales"]["model.layers.1.self_attn"]["v_scale"] = 0.0
+    (folder / kv.SIDECAR).write_text(json.dumps(sidecar))
+    (found,) = kv_findings(project, folder)
+    assert (found.severity, found.code) == ("error", "kv-scales-unusable")  # `up` stops on errors
+    assert found.fix is not None and "invoke calibrate-kv" in found.fix
+    kv.write_calibrated_copy(plan, SCALES, plan.identity(VERSIONS))
+    os.utime(model / "model.safetensors", ns=(5, 5))  # the source's weights changed
+    (found,) = kv_findings(project, folder)
+    assert (found.severity, found.code) == ("error", "kv-calibration-stale")
+    fresh = plan_for(project, model, tmp_path)  # what calibrate-kv does next: rebuild
+    kv.write_calibrated_copy(fresh, SCALES, fresh.identity(VERSIONS))
+    assert kv_findings(project, folder) == []
+    (found,) = kv_findings(project, model)  # the uncalibrated source itself
+    assert (found.severity, found.code) == ("warning", "kv-scales-default")
+    assert kv_findings(project, model, kv_dtype="bfloat16") == []

@@ -12,6 +12,7 @@ Where things live (a new check goes in the module of its concern, then into RULE
   capacity.py       the detected GPUs vs the platform, tensor parallel vs GPUs and heads,
                     weights + KV cache vs GPU memory
   tuned_configs.py  the tuned Triton kernel configs (fused_moe_configs/, fp8_configs/)
+  kv_scales.py      fp8 KV scales of a calibrated copy (invoke calibrate-kv): usable, not stale
   rocm.py           vendor runtime settings: HSA override, AITER, ROCm variables on NVIDIA
   pins.py           build pins that move together, and overlays locked to a vLLM ref
   llamacpp.py       ENGINE=llamacpp: llama-server's argv, the GGUF file, its architecture, the

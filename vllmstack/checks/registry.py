@@ -28,6 +28,7 @@ from vllmstack.checks.inputs import (
     rule_mount_paths,
     rule_profile_host_keys,
 )
+from vllmstack.checks.kv_scales import rule_kv_scales
 from vllmstack.checks.llamacpp import (
     rule_gguf_arch,
     rule_gguf_files,
@@ -83,6 +84,7 @@ RULES: tuple[Rule, ...] = (
     rule_memory,
     rule_llamacpp_memory,
     rule_tuned_configs,
+    rule_kv_scales,
     rule_rocm,
     rule_pins,
     rule_overlays,
@@ -95,6 +97,7 @@ RULE_ENGINES: Mapping[Rule, tuple[str, ...]] = MappingProxyType({
     rule_required: _VLLM,  # VLLM_MODEL; rule_llamacpp_required asks for LLAMACPP_MODEL instead
     rule_argv: _VLLM,
     rule_files_exist: _VLLM,
+    rule_kv_scales: _VLLM,
     rule_chat_template: _VLLM,
     rule_spec_decode: _VLLM,
     rule_scheduler: _VLLM,

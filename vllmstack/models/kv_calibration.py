@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vllmstack.checks.kv_scales import SIDECAR, read_sidecar, scale_problems, source_revision
 from vllmstack.config.modelinfo import locate_model_dir
 from vllmstack.config.profiles import Resolved
 from vllmstack.config.schema import load_schema
@@ -43,7 +44,6 @@ from vllmstack.runtime.engine_env import engine_environment, stack_paths
 from vllmstack.runtime.native.install import engine_dir, engine_version
 
 FP8_E4M3_MAX = 448.0
-SIDECAR = "vllmstack-kv-calibration.json"
 SCALES_FILE = "kv_scales.safetensors"
 # Bump when what the sidecar promises changes (the measurement, the file layout).
 FORMAT_VERSION = 1
@@ -79,22 +79,6 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def source_revision(folder: Path) -> str:
-    """A Hugging Face snapshot's revision (its folder name under snapshots/); for any other
-    folder a hash of config.json and each weight file's name, size and mtime (hashing tens of GB
-    of weights on every `up` would cost minutes)."""
-    if folder.parent.name == "snapshots":
-        return folder.name
-    digest = hashlib.sha256()
-    for path in sorted(folder.iterdir()):
-        if path.name == "config.json":
-            digest.update(path.read_bytes())
-        elif path.suffix in (".safetensors", ".bin") or path.name.endswith(".index.json"):
-            stat = path.stat()
-            digest.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}\n".encode())
-    return "local-" + digest.hexdigest()[:16]
-
-
 def plan_calibration(project: Project, resolved: Resolved, environ: Mapping[str, str], *,
                      corpus: Path | None = None, tokens: int = 32768) -> CalibrationPlan:
     name = resolved.get_str("VLLM_MODEL")
@@ -117,14 +101,6 @@ def plan_calibration(project: Project, resolved: Resolved, environ: Mapping[str,
     return CalibrationPlan(source, source_revision(source), text, file_sha256(text), target, tokens)
 
 
-def read_sidecar(folder: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads((folder / SIDECAR).read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
 def staleness(plan: CalibrationPlan, versions: Mapping[str, str]) -> str | None:
     """Why the calibrated copy must be rebuilt (None: it is fresh)."""
     sidecar = read_sidecar(plan.target)
@@ -145,19 +121,6 @@ def staleness(plan: CalibrationPlan, versions: Mapping[str, str]) -> str | None:
 def scales_from_amax(layers: Mapping[str, Mapping[str, float]]) -> dict[str, dict[str, float]]:
     return {name: {"k_scale": float(v["k_amax"]) / FP8_E4M3_MAX,
                    "v_scale": float(v["v_amax"]) / FP8_E4M3_MAX} for name, v in layers.items()}
-
-
-def scale_problems(scales: Mapping[str, Mapping[str, Any]]) -> list[str]:
-    """Every scale must be a finite number above zero (a zero scale divides by zero in the cache)."""
-    if not scales:
-        return ["no attention layer was measured"]
-    bad = []
-    for layer, pair in scales.items():
-        for key in ("k_scale", "v_scale"):
-            value = pair.get(key)
-            if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
-                bad.append(f"{layer}.{key}={value!r}")
-    return [f"{len(bad)} scale(s) zero, negative or not finite: {', '.join(bad[:4])}"] if bad else []
 
 
 def f32_safetensors(tensors: Mapping[str, float]) -> bytes:
