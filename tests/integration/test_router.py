@@ -386,14 +386,15 @@ def test_a_second_router_on_the_checkout_is_refused_and_the_first_keeps_its_reco
 
 
 @pytest.mark.slow
-def test_sighup_stops_the_router_and_its_engine(project: tuple[Path, int],
-                                                start: Callable[..., Router]) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGINT])
+def test_sighup_and_sigint_stop_the_router_and_its_engine(
+        project: tuple[Path, int], start: Callable[..., Router], sig: signal.Signals) -> None:
     root, engine_port = project
     router = start().wait_ready()
     assert router.chat("sim-a").status_code == 200 and len(engine_processes(root)) == 1
-    assert router.stop(signal.SIGHUP) == 0  # closing the terminal
+    assert router.stop(sig) == 0  # SIGHUP: its terminal closed; SIGINT: Ctrl-C
     assert engine_processes(root) == [] and health_status(f"http://127.0.0.1:{engine_port}") is None
-    assert "stopping (SIGHUP)" in router.output()
+    assert f"stopping ({sig.name})" in router.output()
 
 
 @pytest.mark.slow
