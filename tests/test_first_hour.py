@@ -112,6 +112,10 @@ def test_engine_temp_files_and_compile_caches_stay_in_the_stacks_cache(project: 
                      ("TRITON_CACHE_DIR", "triton"), ("VLLM_CACHE_ROOT", "vllm")):
         assert command.env[key] == str(cache / sub)
         assert cache / sub in command.cache_dirs  # made before the start: else /tmp again
+    # Its unix sockets: relative to the engine's working folder (the checkout), so that a deep
+    # cache folder cannot push a socket's path past 107 bytes (a real boot failed so).
+    assert command.env["VLLM_RPC_BASE_PATH"] == "generated/native/ipc"
+    assert project.generated / "native" / "ipc" in command.cache_dirs
     gguf = native_serve_command(project, resolve(project, platform="cpu", model="tiny-gguf",
                                                  environ=environ), environ)
     assert gguf.env["TMPDIR"].startswith(str(cache.parent)) and \

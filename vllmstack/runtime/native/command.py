@@ -24,6 +24,9 @@ from vllmstack.runtime.engine_env import (
 )
 from vllmstack.runtime.native import install, llamacpp_build
 from vllmstack.runtime.native.procs import NativeError
+from vllmstack.runtime.native.records import native_folder
+
+IPC_DIR = "ipc"  # under generated/native: the engine's unix sockets (see native_serve_command)
 
 
 @dataclass
@@ -74,11 +77,17 @@ def native_serve_command(project: Project, resolved: Resolved,
     # image, and AITER's JIT modules are not keyed by version. Models are shared with containers.
     cache = paths.engine_cache / "native" / f"vllm-{version or 'custom'}"
     caches = native_cache_env(cache)
+    # vLLM's ZMQ sockets go to VLLM_RPC_BASE_PATH (default: TMPDIR), and a unix socket's path
+    # has at most 107 bytes: a TMPDIR deep in a cache folder failed the boot ("ipc path ... is
+    # longer than 107 characters"). Relative to the engine's working folder (the checkout, which
+    # vLLM's processes keep) the path stays short wherever the checkout and the cache are.
+    sockets = native_folder(project) / IPC_DIR
     # Made before the start: a TMPDIR that does not exist sends tempfile back to /tmp.
-    cache_dirs = [paths.hf_cache, *(Path(folder) for folder in caches.values())]
+    cache_dirs = [paths.hf_cache, *(Path(folder) for folder in caches.values()), sockets]
     env = {
         "HF_HOME": str(paths.hf_cache),
         **caches,
+        "VLLM_RPC_BASE_PATH": os.path.relpath(sockets, project.root),
         "VLLM_TUNED_CONFIG_FOLDER": str((project.root / "fused_moe_configs").resolve()),
         # User-site packages (~/.local) would shadow the environment's own.
         "PYTHONNOUSERSITE": "1",
