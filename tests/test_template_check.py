@@ -111,6 +111,12 @@ def test_check_runs_the_properties_for_a_profile_that_sets_a_template(project: P
     findings, _ = run_checks(project, resolve(project, model="tiny", platform="cpu", environ=env,
                                               overrides=["VLLM_CHAT_TEMPLATE=broken.jinja"]), env)
     assert [f.code for f in findings if f.code.startswith("chat-template")] == ["chat-template-thinking-off"]
+    # Not prefix-stable: slower multi-turn chats, not broken ones - a warning, the engine may start.
+    broken.write_text(variant("drops-empty-think"), encoding="utf-8")
+    findings, _ = run_checks(project, resolve(project, model="tiny", platform="cpu", environ=env,
+                                              overrides=["VLLM_CHAT_TEMPLATE=broken.jinja"]), env)
+    [stable] = [f for f in findings if f.code.startswith("chat-template")]
+    assert (stable.code, stable.severity) == ("chat-template-prefix-stable", "warning")
 
 
 def test_every_qwen_vllm_profile_uses_the_template_and_its_version_is_readable(shipped: Project) -> None:

@@ -287,15 +287,15 @@ def _check_thinking(run: Played, report: TemplateReport) -> None:
             if THINK_CLOSE in suffix:
                 report.failures.append(Failure(
                     "thinking-off", run.conversation.name, run.mode,
-                    f"turn {turn}: the generation prompt closes the think block with thinking on "
-                    f"(it ends {_tail(prompt)}): the template ignores enable_thinking"))
+                    f"turn {turn}: the generation prompt closes the think block with thinking on (it "
+                    f"ends {prompt.encode()[-2 * CONTEXT_BYTES:]!r}): the template ignores enable_thinking"))
             continue
         opened = suffix.find(THINK_OPEN)
         if opened < 0 or not suffix.rstrip().endswith(THINK_CLOSE) or suffix.rfind(THINK_CLOSE) < opened:
             report.failures.append(Failure(
                 "thinking-off", run.conversation.name, run.mode,
                 f"turn {turn}: with enable_thinking=false the generation prompt must end in a closed "
-                f"{THINK_OPEN}...{THINK_CLOSE} block, but it ends {_tail(prompt)}"))
+                f"{THINK_OPEN}...{THINK_CLOSE} block, but it ends {prompt.encode()[-2 * CONTEXT_BYTES:]!r}"))
         unclosed = _unclosed_think(head)
         if unclosed is not None:
             report.failures.append(Failure(
@@ -424,10 +424,6 @@ def _around(text: str, at: int) -> str:
     return repr(text.encode()[max(0, at - CONTEXT_BYTES):at + CONTEXT_BYTES])
 
 
-def _tail(text: str) -> str:
-    return repr(text.encode()[-2 * CONTEXT_BYTES:])
-
-
 def _short(value: Any, limit: int = 120) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "...'"
@@ -486,8 +482,11 @@ def rule_chat_template(ctx: CheckContext) -> list[Finding]:
     findings = []
     for prop in report.failed_properties():
         first = next(f for f in report.failures if f.prop == prop)
+        # A history that re-renders differently costs prefix-cache hits, not correctness: the
+        # engine may start; the other properties break requests, tools or the thinking switch.
         findings.append(ctx.finding(
-            "error", f"chat-template-{prop}", KWARGS_KEY if "read" in first.message else TEMPLATE_KEY,
+            "warning" if prop == "prefix-stable" else "error", f"chat-template-{prop}",
+            KWARGS_KEY if "read" in first.message else TEMPLATE_KEY,
             f"{shown} fails {first.render()}",
             fix=f"invoke template-check --model {ctx.resolved.profile} lists every failing case"))
     if not findings:
