@@ -7,6 +7,7 @@ without losing a line), `.venv/` ignored, `make-model`'s next step runnable as p
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 from pathlib import Path
 
@@ -149,3 +150,24 @@ def test_every_dashboard_reads_the_history_from_results(project: Project) -> Non
     assert settings_for_stack(project, {}).history_dir == project.results
     volumes = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]["dashboard"]["volumes"]
     assert "./results:/app/benchmarks" in volumes
+
+
+def test_down_removes_the_sockets_an_engine_left(project: Project) -> None:
+    """vLLM leaves its ZMQ sockets behind (seven per boot, seen on the real CPU engine)."""
+    import socket
+
+    from vllmstack.core.runner import SubprocessRunner
+    from vllmstack.runtime.native.engine import NativeEngine
+
+    folder = project.generated / "native" / "ipc"
+    folder.mkdir(parents=True)
+    cwd = os.getcwd()
+    os.chdir(project.root)  # a short, relative socket path, as the engine binds it
+    try:
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.bind("generated/native/ipc/3898470a-54bf-4d41-9c4f-d88415211022")
+    finally:
+        os.chdir(cwd)
+    (folder / "keep.txt").write_text("not a socket")
+    NativeEngine(project, SubprocessRunner(), out=io.StringIO()).remove()
+    assert [p.name for p in folder.iterdir()] == ["keep.txt"]

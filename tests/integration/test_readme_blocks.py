@@ -109,7 +109,8 @@ def script(blocks: list[Block]) -> str:
             number += 1
             label = shlex.quote(f"{block.heading}: {line}")
             out += [f"echo {MARK} {number} start {label}", "__t=$(date +%s)", line,
-                    "__rc=$?", f"echo {MARK} {number} rc=$__rc s=$(( $(date +%s) - __t ))",
+                    # On a line of its own also after output without a final newline (curl).
+                    "__rc=$?", f"echo; echo {MARK} {number} rc=$__rc s=$(( $(date +%s) - __t ))",
                     "[ $__rc -eq 0 ] || exit 100"]
     return "\n".join(out) + "\n"
 

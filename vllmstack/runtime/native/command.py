@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,21 @@ from vllmstack.runtime.native.procs import NativeError
 from vllmstack.runtime.native.records import native_folder
 
 IPC_DIR = "ipc"  # under generated/native: the engine's unix sockets (see native_serve_command)
+
+
+def clear_sockets(folder: Path) -> None:
+    """Remove the sockets an ended engine left in `folder` (vLLM leaves its ZMQ sockets behind,
+    seven per boot); anything that is not a socket stays."""
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return
+    for entry in entries:
+        try:
+            if stat.S_ISSOCK(entry.lstat().st_mode):
+                entry.unlink()
+        except OSError:
+            continue
 
 
 @dataclass

@@ -47,7 +47,12 @@ from vllmstack.core.files import (
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner
 from vllmstack.runtime.base import MISSING, EngineState
-from vllmstack.runtime.native.command import NativeCommand, native_serve_command
+from vllmstack.runtime.native.command import (
+    IPC_DIR,
+    NativeCommand,
+    clear_sockets,
+    native_serve_command,
+)
 from vllmstack.runtime.native.dashboard import NativeDashboard
 from vllmstack.runtime.native.keeper import keeper_failure
 from vllmstack.runtime.native.procs import (
@@ -175,6 +180,7 @@ class NativeEngine:
             return
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
+            clear_sockets(self.folder / IPC_DIR)  # left by an engine that crashed: none runs now
             for folder in command.cache_dirs:
                 folder.mkdir(parents=True, exist_ok=True)
             if self.log_path.exists():
@@ -278,8 +284,10 @@ class NativeEngine:
         # Every engine of this checkout, the recorded one included: a record whose start time is
         # wrong ("reused") left its engine unsignalled above, and its marker still finds it.
         self._end_unrecorded(None)
-        if record is None and not self.runner.dry_run:
-            self._forget()
+        if not self.runner.dry_run:
+            clear_sockets(self.folder / IPC_DIR)  # the engine has ended: its sockets are stale
+            if record is None:
+                self._forget()
         return left
 
     def _foreign(self, record: EngineRecord, problem: str) -> list[str]:
