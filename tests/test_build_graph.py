@@ -251,3 +251,22 @@ def test_the_dockerfiles_are_well_formed(
     for extra in ("Dockerfile.cpu",):
         parse_known = load(ROOT / extra).structure
         assert parse_known and parse_known[0]["instruction"] in ("FROM", "ARG", "COMMENT"), extra
+
+
+def test_the_source_build_runs_only_under_invoke_test_slow(tmp_path: Path) -> None:
+    """CI runs `invoke test`: the hour-long compile is deselected there, and `--slow` selects it."""
+    from vllmstack.core.runner import RecordingRunner
+    from vllmstack.devtools.testsuite import SLOW_ONLY, run_test_suite
+
+    def pytest_argv(**kwargs: bool) -> list[str]:
+        runner = RecordingRunner()
+        assert run_test_suite(Project(tmp_path), runner, **kwargs) == 0
+        return list(next(c for c in runner.calls if "pytest" in c))
+
+    full = pytest_argv()
+    assert f"(not {SLOW_ONLY})" in full[full.index("-m") + 1]
+    assert "-m" not in pytest_argv(slow=True)
+    quick = pytest_argv(quick=True, slow=True)  # --quick wins: no Docker, so no build
+    assert "not docker" in quick[quick.index("-m") + 1]
+    marked = (ROOT / "tests" / "integration" / "test_build_cpu_source.py").read_text()
+    assert f"pytest.mark.{SLOW_ONLY}" in marked
