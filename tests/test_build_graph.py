@@ -261,7 +261,8 @@ def test_the_source_build_runs_only_under_invoke_test_slow(tmp_path: Path) -> No
     def pytest_argv(**kwargs: bool) -> list[str]:
         runner = RecordingRunner()
         assert run_test_suite(Project(tmp_path), runner, **kwargs) == 0
-        return list(next(c for c in runner.calls if "pytest" in c))
+        argv = next(c for c in runner.calls if "pytest" in c)
+        return list(argv[argv.index("pytest") + 1:])  # pytest's own arguments
 
     full = pytest_argv()
     assert f"(not {SLOW_ONLY})" in full[full.index("-m") + 1]
