@@ -26,6 +26,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import shlex
 import sys
 import threading
@@ -41,6 +42,12 @@ from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner
 
 LOCK_FILE = "stack.lock"
+# The checkout's named engines (the router runs one per profile) keep their files here, one
+# folder each: generated/engines/NAME/ holds what generated/ holds for the default engine of
+# `invoke up` (state.json, stack.lock, native/). The default engine's name is "".
+ENGINES_DIR = "engines"
+# Short, so a unix socket under generated/engines/NAME/native/ipc stays within 107 bytes.
+ENGINE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,23}")
 # The source `invoke config --explain` shows for a default derived from the checkout.
 DERIVED_FROM_CHECKOUT = "derived from the checkout path"
 # How long a second command waits for the first one. Long enough for a `down` or an `up` that
@@ -98,6 +105,34 @@ def lock_holder(generated: Path) -> LockHolder | None:
 def checkout_id(root: Path) -> str:
     """8 hex digits of the sha256 of the checkout's absolute path: stable, and unique per clone."""
     return hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:8]
+
+
+def engine_dir(generated: Path, name: str) -> Path:
+    """The folder of one of the checkout's engines: `generated` itself for the default engine
+    (""), generated/engines/NAME for a named one. ValueError for a name `engine_name` did not make."""
+    if not name:
+        return generated
+    if not ENGINE_NAME.fullmatch(name):
+        raise ValueError(f"{name!r} is not an engine name")
+    return generated / ENGINES_DIR / name
+
+
+def engine_name(profile: str) -> str:
+    """The engine name a profile runs under when several engines run (its own name, or for a
+    long one a short prefix and a hash of the whole, so two long names never share one)."""
+    if ENGINE_NAME.fullmatch(profile):
+        return profile
+    head = re.sub(r"[^A-Za-z0-9._-]", "-", profile)[:14].lstrip("._-") or "p"
+    return f"{head}-{hashlib.sha256(profile.encode()).hexdigest()[:8]}"
+
+
+def engine_names(generated: Path) -> list[str]:
+    """The named engines whose folders exist (whether they run or not), sorted."""
+    try:
+        found = [p.name for p in (generated / ENGINES_DIR).iterdir() if p.is_dir()]
+    except OSError:
+        return []
+    return sorted(name for name in found if ENGINE_NAME.fullmatch(name))
 
 
 def default_compose_project(root: Path) -> str:

@@ -43,3 +43,15 @@ def health_status(url: str, timeout: float = 2.0) -> int | None:
         return requests.get(url + "/health", timeout=timeout).status_code
     except requests.RequestException:
         return None
+
+
+def is_sleeping(url: str, timeout: float = 2.0) -> bool | None:
+    """vLLM's GET /is_sleeping (an engine in sleep mode, VLLM_SERVER_DEV_MODE=1): True while its
+    weights are off the GPU; None where nothing answers it (no sleep mode, another engine)."""
+    try:
+        answer = requests.get(url + "/is_sleeping", timeout=timeout)
+        data = answer.json() if answer.status_code == 200 else None
+    except (requests.RequestException, ValueError):
+        return None
+    value = data.get("is_sleeping") if isinstance(data, dict) else None
+    return value if isinstance(value, bool) else None

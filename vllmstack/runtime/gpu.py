@@ -2,7 +2,9 @@
 
 Read through a probe object so guards and tests can swap the host for a fake one:
 AMD from sysfs (`mem_info_vram_*`, or `mem_info_gtt_*` on unified-memory APUs), NVIDIA from
-nvidia-smi. `detect_cards` reads count, memory and vLLM's device name for `invoke check`, where
+nvidia-smi; GPU_MEMORY_DIR names a folder that stands in for the card (`StandinProbe`: the
+engine simulator writes what it "holds" there, so the router's memory checks are tested without
+a GPU). `detect_cards` reads count, memory and vLLM's device name for `invoke check`, where
 a platform does not pin them. Nothing here starts or stops anything.
 """
 
@@ -112,8 +114,61 @@ class NoGpuProbe:
         return None
 
 
+STANDIN_TOTAL = "total"  # one line per card: its bytes
+STANDIN_USED = ".used"  # PID.used: one line per card: the bytes that process holds there
+
+
+@dataclass
+class StandinProbe:
+    """A folder that stands in for the cards (GPU_MEMORY_DIR). `total` holds each card's bytes,
+    one line per card; each `PID.used` what process PID holds on each card, counted only while
+    that process lives, as a driver frees a dead process's memory. None without `total`."""
+
+    folder: Path
+    proc: Path = Path("/proc")
+
+    def missing_devices(self) -> list[str]:
+        return []
+
+    def memory(self) -> list[GpuMemory] | None:
+        totals = _numbers(self.folder / STANDIN_TOTAL)
+        if not totals:
+            return None
+        used = [0] * len(totals)
+        for path in sorted(self.folder.glob("*" + STANDIN_USED)):
+            pid = path.name.removesuffix(STANDIN_USED)
+            if not pid.isdigit() or not self._alive(pid):
+                continue
+            for index, value in enumerate(_numbers(path)[:len(totals)]):
+                used[index] += value
+        return [GpuMemory(i, total, used[i]) for i, total in enumerate(totals)]
+
+    def _alive(self, pid: str) -> bool:
+        try:
+            stat = (self.proc / pid / "stat").read_text()
+        except OSError:
+            return False
+        fields = stat.rpartition(")")[2].split()
+        return bool(fields) and fields[0] not in ("Z", "X", "x")
+
+
+def _numbers(path: Path) -> list[int]:
+    try:
+        text = path.read_text()
+    except OSError:
+        return []
+    out = []
+    for line in text.split():
+        if not line.isdigit() or not line.isascii():
+            return []
+        out.append(int(line))
+    return out
+
+
 def probe_for(vendor: str, runner: Runner, *, unified_memory: bool = False,
-              root: Path = Path("/")) -> GpuProbe:
+              root: Path = Path("/"), standin: str = "") -> GpuProbe:
+    if standin:
+        return StandinProbe(Path(standin))
     if vendor == "amd":
         return AmdSysfsProbe(root, unified_memory)
     if vendor == "nvidia":

@@ -11,6 +11,7 @@ from typing import Any, TextIO
 
 from vllmstack.config.profiles import Resolved
 from vllmstack.core.checkout import DERIVED_FROM_CHECKOUT, default_compose_project
+from vllmstack.core.errors import StackError
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner
 from vllmstack.runtime import compose
@@ -25,8 +26,21 @@ LEGACY_COMPOSE_PROJECT = "vllmstack"
 COMPOSE_PROJECT_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
 
 
-def requested_runtime(resolved: Resolved, runtime: str | None, previous: Mapping[str, Any]) -> str:
-    """The runtime asked for; `auto` reuses what `up` used (the compose flavour it detected)."""
+class SeveralEnginesError(StackError):
+    """A named engine (several per checkout) was asked of a runtime that runs only one."""
+
+
+# The runtime that runs several engines of one checkout side by side (named engines).
+MULTI_ENGINE_RUNTIME = "native"
+
+
+def requested_runtime(resolved: Resolved, runtime: str | None, previous: Mapping[str, Any],
+                      slot: str = "") -> str:
+    """The runtime asked for; `auto` reuses what `up` used (the compose flavour it detected).
+    A named engine runs where it was started (its own state), else natively: only the native
+    runtime runs several engines of a checkout."""
+    if slot and not runtime:
+        return str(previous.get("flavour") or MULTI_ENGINE_RUNTIME)
     requested = runtime or resolved.get_str("RUNTIME")
     if requested == "auto" and previous.get("runtime"):
         requested = str(previous.get("flavour") or
@@ -62,12 +76,24 @@ def compose_project_name(project: Project, resolved: Resolved, previous: Mapping
     return name
 
 
+def runs_several(requested: str) -> bool:
+    """Whether this runtime runs several engines of one checkout at once (named engines, each
+    with its own port, record, log and lock): the native runtime; Compose runs one."""
+    return requested == MULTI_ENGINE_RUNTIME
+
+
 def open_runtime(project: Project, resolved: Resolved, environ: Mapping[str, str], runner: Runner,
-                 requested: str, out: TextIO, *, compose_project: str | None = None) -> EngineRuntime:
+                 requested: str, out: TextIO, *, compose_project: str | None = None,
+                 slot: str = "") -> EngineRuntime:
     if requested == "native":
-        engine = NativeEngine.for_stack(project, resolved, environ, runner)
+        engine = NativeEngine.for_stack(project, resolved, environ, runner, slot=slot)
         engine.out = out
         return engine
+    if slot:
+        raise SeveralEnginesError(
+            f"several engines per checkout (engine {slot!r}) run on the native runtime only; "
+            f"{requested} runs one engine per checkout",
+            "use --runtime native (or RUNTIME=native), or run one engine at a time")
     cli = compose.detect_compose(runner, resolved.get_str("DOCKER"), requested)
     name = compose_project or compose_project_name(project, resolved, {})
     return compose.ComposeEngine(cli, runner, name, compose_files(project),

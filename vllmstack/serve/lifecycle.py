@@ -29,6 +29,12 @@ from vllmstack.observe import metrics
 from vllmstack.observe.health import health_status, identify_server
 from vllmstack.runtime import engine_env
 from vllmstack.runtime.gpu import GIB, total_used
+from vllmstack.serve.engines import (
+    answering_others,
+    named_report,
+    named_stack,
+    recorded_engines,
+)
 from vllmstack.serve.guards import (
     Guard,
     active_services,
@@ -47,10 +53,11 @@ from vllmstack.serve.interruption import (
 from vllmstack.serve.running import recorded_overrides
 from vllmstack.serve.stack import LifecycleError, Stack, open_stack
 from vllmstack.serve.state import (
-    STATE_FILE,
+    StateError,
     foreign_state,
     read_state,
     set_aside_damaged,
+    state_path,
     write_state,
 )
 from vllmstack.serve.watch import Progress, wait_until_healthy, warm_up
@@ -132,7 +139,7 @@ def _up(stack: Stack, *, timeout: float | None, force: bool, dashboard: bool,
         if finding.severity == "warning":
             print(finding.render(), file=out)
     current = stack.engine.state()
-    previous = read_state(stack.project) or {}
+    previous = read_state(stack.project, stack.slot) or {}
     same = previous.get("argv") == command.argv
     if stop_other and _stop_others(stack, previous, own=current.running and not same,
                                    dry_run=dry_run):
@@ -157,6 +164,8 @@ def _up(stack: Stack, *, timeout: float | None, force: bool, dashboard: bool,
                           runtime=stack.engine.flavour, runner=stack.runner)
     if current.running:
         guards.insert(0, _already_running(previous))
+    guards[:0] = [_checkout_engine(other) for other in
+                  answering_others(stack.project, stack.slot, stack.siblings)]
     print_guards(guards, force, out)
     notes = stack.engine.prepare(command, dry_run=dry_run)
     if dry_run:
@@ -176,8 +185,8 @@ def _up(stack: Stack, *, timeout: float | None, force: bool, dashboard: bool,
             "profile": resolved.profile, "platform": resolved.platform,
             "sets": recorded_overrides(resolved),
             "argv": command.argv, "url": stack.url, "served_name": stack.served_name,
-            "started": time.time(), "gpu_used_before": baseline,
-        })
+            "started": time.time(), "gpu_used_before": baseline, "slot": stack.slot,
+        }, stack.slot)
     except (FileWriteError, UpInterruptedError) as exc:
         # An engine `down` could not account for (no state file) must not keep running; one
         # interrupted while starting may be running already.
@@ -201,6 +210,15 @@ def _already_running(previous: Mapping[str, Any]) -> Guard:
         f"the stack already runs {running} with profile {previous.get('profile', '?')} "
         f"({previous.get('platform', '?')}) and another command: one engine is resident at a time",
         "`invoke down` first, or `invoke up --stop-other` to stop it and start this one")
+
+
+def _checkout_engine(other: Any) -> Guard:
+    return Guard(
+        "checkout-engine",
+        f"{other.shown} runs beside this one: another engine of this checkout holds the GPU "
+        "(the router's engines are started and stopped by the router)",
+        "`invoke down` stops every engine of the checkout (stop the router first if it runs); "
+        "or `invoke up --force` to start anyway")
 
 
 def _boot(stack: Stack, notes: list[str], *, dashboard: bool, timeout: float | None) -> UpResult:
@@ -275,37 +293,67 @@ def down(stack: Stack, *, timeout: float = 120.0, dry_run: bool = False) -> bool
 
 
 def _down(stack: Stack, *, timeout: float, dry_run: bool) -> bool:
-    note = foreign_state(stack.project)
+    """Stop the stack's engine; the default engine's `down` stops the checkout's named engines
+    too (the router's, one per profile): `invoke down` leaves no engine of the checkout."""
+    note = foreign_state(stack.project) if not stack.slot else None
     if note:
         print(f"note: {note}", file=stack.out)
-    previous = read_state(stack.project) or {}
-    left = stack.engine.remove() or []
-    for line in left:
-        print(line, file=stack.out)
+    stopped = [(stack, _stop_one(stack, stack.url, dry_run))]
+    if not stack.slot:
+        for other in recorded_engines(stack.project):
+            if other.slot:
+                named = named_stack(stack, other.slot)
+                with named.lock("down", dry_run=dry_run):
+                    stopped.append((named, _stop_one(named, other.url or named.url, dry_run)))
     if dry_run:
         return True
-    if health_status(stack.url) is not None:
-        # "stopped" while the engine still answers would be a lie; the state file stays.
-        raise LifecycleError(
-            f"{stack.url} still answers after the {stack.engine.name} runtime stopped what it "
-            f"knows of: {identify_server(stack.url)}",
-            (f"it is served by a process this checkout did not start ({len(left)} left alone, "
-             "named above): stop it where it was started, or give this checkout its own "
-             "VLLM_PORT" if left else
-             f"find the process listening on port {stack.port} (ss -ltnp 'sport = :{stack.port}') "
-             "and end it; if it is this stack's engine, report how it escaped `down`"))
-    baseline = previous.get("gpu_used_before")
-    released, used = wait_gpu_release(stack.probe, baseline if isinstance(baseline, int) else None,
-                                      timeout)
+    baselines = [b for _, previous in stopped
+                 if isinstance(b := previous.get("gpu_used_before"), int)]
+    if answering_others(stack.project, stack.slot, frozenset()):
+        # Other engines of the checkout still run (the router stops one of its several): the
+        # memory in use before this one started says nothing now; wait until it stops falling.
+        used = wait_gpu_settled(stack.probe, timeout)
+        released = True
+    else:
+        baseline = min(baselines) if baselines else None
+        released, used = wait_gpu_release(stack.probe, baseline, timeout)
     if not released:
         raise LifecycleError(
             f"the engine is stopped but GPU memory is still in use after {timeout:.0f} s "
-            f"({(used or 0) / GIB:.1f} GiB, was {(baseline or 0) / GIB:.1f} GiB before `up`)",
+            f"({(used or 0) / GIB:.1f} GiB, was {(min(baselines) if baselines else 0) / GIB:.1f} "
+            "GiB before `up`)",
             "look for a leftover engine process (amd-smi / nvidia-smi, ps aux | grep vllm) and end it")
-    remove_file(stack.project.generated / STATE_FILE)
-    print("stopped" + (f"; GPU memory back to {used / GIB:.1f} GiB in use" if used is not None
-                       else ""), file=stack.out)
+    for each, _ in stopped:
+        remove_file(state_path(each.project, each.slot))
+    print("stopped" + (f" {len(stopped)} engines" if len(stopped) > 1 else "")
+          + (f"; GPU memory back to {used / GIB:.1f} GiB in use" if used is not None else ""),
+          file=stack.out)
     return True
+
+
+def _stop_one(stack: Stack, url: str, dry_run: bool) -> dict[str, Any]:
+    """End one engine (and what its runtime started beside it); its recorded state. Raises
+    while its URL still answers: "stopped" over a live engine would be a lie."""
+    try:
+        previous = read_state(stack.project, stack.slot) or {}
+    except StateError:
+        if not stack.slot:
+            raise
+        previous = {}  # a named engine's damaged state: its runtime's own record still finds it
+    left = stack.engine.remove() or []
+    for line in left:
+        print(line, file=stack.out)
+    if dry_run or health_status(url) is None:
+        return previous
+    port = url.rsplit(":", 1)[-1]
+    raise LifecycleError(
+        f"{url} still answers after the {stack.engine.name} runtime stopped what it "
+        f"knows of: {identify_server(url)}",
+        (f"it is served by a process this checkout did not start ({len(left)} left alone, "
+         "named above): stop it where it was started, or give this checkout its own "
+         "VLLM_PORT" if left else
+         f"find the process listening on port {port} (ss -ltnp 'sport = :{port}') "
+         "and end it; if it is this stack's engine, report how it escaped `down`"))
 
 
 def status(stack: Stack) -> dict[str, Any]:
@@ -321,7 +369,7 @@ def status(stack: Stack) -> dict[str, Any]:
                 model, max_len = data[0].get("id"), data[0].get("max_model_len")
         except (requests.RequestException, ValueError, AttributeError):
             pass
-    recorded = read_state(stack.project) or {}
+    recorded = read_state(stack.project, stack.slot) or {}
     report: dict[str, Any] = {
         "runtime": stack.engine.name,
         "running": state.running,
@@ -340,6 +388,8 @@ def status(stack: Stack) -> dict[str, Any]:
         "kv_cache_usage": None,
         "requests_running": None,
         "requests_waiting": None,
+        # The checkout's named engines (the router's, one per profile), each in its own place.
+        "engines": named_report(stack.project) if not stack.slot else [],
     }
     if code == 200:
         try:
@@ -370,6 +420,9 @@ def render_status(report: dict[str, Any]) -> str:
                      f"{report['requests_running']:g} running, {report['requests_waiting']:g} waiting")
     for member in report["containers"]:
         lines.append(f"  {member.get('name')}: {member.get('state')} ({member.get('status')})")
+    for named in report.get("engines") or []:
+        lines.append(f"engine {named['name']}: {named['state']} (profile {named['profile']}, "
+                     f"{named['url']})")
     return "\n".join(lines)
 
 

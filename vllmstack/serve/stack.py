@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from vllmstack.config.profiles import Resolved
-from vllmstack.core.checkout import stack_lock
+from vllmstack.core.checkout import engine_dir, stack_lock
 from vllmstack.core.errors import StackError
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner
@@ -42,6 +42,12 @@ class Stack:
     # The Compose project name this checkout's stack runs under (None: not a compose runtime);
     # `up` records it in generated/state.json so that `down` finds the same containers.
     compose_project: str | None = None
+    # The engine's name in the checkout: "" is `invoke up`'s default engine; the router runs one
+    # named engine per profile, each with its own state, record, log, lock and port.
+    slot: str = ""
+    # The other named engines the caller runs beside this one (the router's pool): they do not
+    # count as another engine holding the GPU; any other engine of the checkout does.
+    siblings: frozenset[str] = frozenset()
 
     @property
     def url(self) -> str:
@@ -57,8 +63,8 @@ class Stack:
         and takes none. `stoppable`: this command ends cleanly on SIGTERM (see lifecycle.down)."""
         if dry_run:
             return contextlib.nullcontext()
-        return stack_lock(self.project.generated, command, wait=wait, stoppable=stoppable,
-                          say=lambda line: print(line, file=self.out))
+        return stack_lock(engine_dir(self.project.generated, self.slot), command, wait=wait,
+                          stoppable=stoppable, say=lambda line: print(line, file=self.out))
 
     @property
     def served_name(self) -> str:
@@ -74,13 +80,20 @@ def open_stack(
     runtime: str | None = None,
     probe: GpuProbe | None = None,
     out: TextIO | None = None,
+    slot: str = "",
+    siblings: frozenset[str] = frozenset(),
 ) -> Stack:
-    """Pick the runtime (--runtime, else RUNTIME, else what a previous `up` used, else detect)."""
+    """Pick the runtime (--runtime, else RUNTIME, else what a previous `up` used, else detect).
+    `slot`: one of the checkout's named engines (only runtimes that run several, see
+    runtime.select.runs_several)."""
     out = out or sys.stdout
-    previous = read_state(project) or {}  # a corrupt state file is a StateError naming it
-    requested = requested_runtime(resolved, runtime, previous)
+    previous = read_state(project, slot) or {}  # a corrupt state file is a StateError naming it
+    requested = requested_runtime(resolved, runtime, previous, slot)
     probe = probe or probe_for(resolved.get_str("GPU_VENDOR"), runner,
-                               unified_memory=resolved.get_bool("UNIFIED_MEMORY"))
+                               unified_memory=resolved.get_bool("UNIFIED_MEMORY"),
+                               standin=resolved.get_str("GPU_MEMORY_DIR"))
     name = None if requested == "native" else compose_project_name(project, resolved, previous)
-    engine = open_runtime(project, resolved, environ, runner, requested, out, compose_project=name)
-    return Stack(project, resolved, environ, runner, engine, probe, out, name)
+    engine = open_runtime(project, resolved, environ, runner, requested, out, compose_project=name,
+                          slot=slot)
+    return Stack(project, resolved, environ, runner, engine, probe, out, name, slot,
+                 frozenset(siblings) - {slot})

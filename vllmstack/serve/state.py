@@ -10,15 +10,20 @@ this checkout's own markers and settings name (`set_aside_damaged`).
 It also records the checkout that wrote it (its id and path): a copy of a checkout (`cp -a A B`)
 carries A's state.json, which names A's Compose project; B ignores it (`read_state` gives None,
 `foreign_state` says why), so B's `down` never stops A's containers.
+
+Each of the checkout's named engines (`slot`: the router runs one per profile) has a state file
+of its own, generated/engines/NAME/state.json (core.checkout.engine_dir); "" is the default
+engine's generated/state.json.
 """
 
 from __future__ import annotations
 
 import re
 import time
+from pathlib import Path
 from typing import Any
 
-from vllmstack.core.checkout import checkout_id, default_compose_project
+from vllmstack.core.checkout import checkout_id, default_compose_project, engine_dir
 from vllmstack.core.errors import StackError
 from vllmstack.core.files import PRIVATE, FileWriteError, JsonFileError, read_json_file, write_json
 from vllmstack.core.paths import Project
@@ -31,6 +36,7 @@ FIELDS: dict[str, tuple[type, ...]] = {
     "served_name": (str,), "started": (int, float), "gpu_used_before": (int, type(None)),
     "sets": (list,),  # the --set overrides (serve.running: later commands resolve the same)
     "checkout": (str,), "root": (str,),  # who wrote it (a copied checkout is not that one)
+    "slot": (str,),  # the engine's name in the checkout ("" or absent: the default engine)
 }
 # A state file is a few kilobytes (the argv); far more is not one the stack wrote.
 STATE_MAX_BYTES = 1_000_000
@@ -42,22 +48,26 @@ class StateError(StackError):
     """generated/state.json exists but cannot be used; the message names it."""
 
 
-def write_state(project: Project, state: dict[str, Any]) -> None:
+def state_path(project: Project, slot: str = "") -> Path:
+    return engine_dir(project.generated, slot) / STATE_FILE
+
+
+def write_state(project: Project, state: dict[str, Any], slot: str = "") -> None:
     """Created mode 0600: the recorded argv can hold a token (--api-key in VLLM_EXTRA_ARGS).
     A write that fails (full disk, no permission) raises FileWriteError naming the file."""
-    path = project.generated / STATE_FILE
+    path = state_path(project, slot)
     try:
-        project.generated.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as exc:
         raise FileWriteError(path, exc) from exc
     write_json(path, {**state, "checkout": checkout_id(project.root),
                       "root": str(project.root.resolve())}, mode=PRIVATE)
 
 
-def read_state(project: Project) -> dict[str, Any] | None:
+def read_state(project: Project, slot: str = "") -> dict[str, Any] | None:
     """The recorded state; None when there is none. A file that is there but unreadable,
     not JSON, or has a field of the wrong type raises StateError naming the file."""
-    data = _read(project)
+    data = _read(project, slot)
     return None if data is None or _written_elsewhere(project, data) else data
 
 
@@ -96,9 +106,9 @@ def set_aside_damaged(project: Project) -> str | None:
     return None
 
 
-def _read(project: Project) -> dict[str, Any] | None:
-    path = project.generated / STATE_FILE
-    where = f"generated/{STATE_FILE}"
+def _read(project: Project, slot: str = "") -> dict[str, Any] | None:
+    path = state_path(project, slot)
+    where = str(path.relative_to(project.root))
     try:
         data = read_json_file(path, where, max_bytes=STATE_MAX_BYTES)
     except JsonFileError as exc:

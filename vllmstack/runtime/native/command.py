@@ -64,9 +64,10 @@ class NativeCommand:
         return format_command(["env", *(f"{k}={v}" for k, v in sorted(self.env.items())), *self.argv])
 
 
-def native_serve_command(project: Project, resolved: Resolved,
-                         environ: Mapping[str, str]) -> NativeCommand:
-    """The argv and environment of the native engine: the container's, with host paths."""
+def native_serve_command(project: Project, resolved: Resolved, environ: Mapping[str, str], *,
+                         folder: Path | None = None) -> NativeCommand:
+    """The argv and environment of the native engine: the container's, with host paths.
+    `folder`: the engine's own folder (default generated/native), which holds its sockets."""
     if engine_of(resolved) == LLAMACPP:
         return native_llamacpp_command(project, resolved, environ)
     version = install.engine_version(resolved)
@@ -97,7 +98,7 @@ def native_serve_command(project: Project, resolved: Resolved,
     # has at most 107 bytes: a TMPDIR deep in a cache folder failed the boot ("ipc path ... is
     # longer than 107 characters"). Relative to the engine's working folder (the checkout, which
     # vLLM's processes keep) the path stays short wherever the checkout and the cache are.
-    sockets = native_folder(project) / IPC_DIR
+    sockets = (folder or native_folder(project)) / IPC_DIR
     # Made before the start: a TMPDIR that does not exist sends tempfile back to /tmp.
     cache_dirs = [paths.hf_cache, *(Path(folder) for folder in caches.values()), sockets]
     env = {

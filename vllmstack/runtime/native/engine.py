@@ -14,6 +14,11 @@ Files under generated/native/:
   engine.exit.json  the exit code, written by the keeper when the engine ends
   engine.log        everything the engine printed (engine.log.1: the run before)
 
+A named engine (`slot`: the router runs one per profile, several at once) keeps the same files
+in generated/engines/NAME/native/ and carries a marker of its own (records.marker_prefix), so
+starting, stopping or finding one never touches another; only the default engine ("") has the
+dashboard beside it.
+
 Which processes are the engine's is `procs`' business (the leader, its group, and the marker
 VLLMSTACK_ENGINE_ID in the environment). Because the marker starts with the checkout's id, an
 engine no record names (engine.json damaged, or overwritten) is found too: `status` shows it,
@@ -97,13 +102,14 @@ class NativeEngine:
     can_open: Callable[[Path], bool] = field(
         default_factory=lambda: lambda path: os.access(path, os.R_OK | os.W_OK))
     name: str = "native"
+    slot: str = ""  # the engine's name in the checkout; "" is `invoke up`'s default engine
 
     @classmethod
     def for_stack(cls, project: Project, resolved: Resolved, environ: Mapping[str, str],
-                  runner: Runner) -> NativeEngine:
+                  runner: Runner, slot: str = "") -> NativeEngine:
         grace = resolved.get("NATIVE_STOP_GRACE") or ""
         return cls(project, runner, resolved, environ,
-                   grace=float(grace) if grace.strip().isdigit() else DEFAULT_GRACE_S)
+                   grace=float(grace) if grace.strip().isdigit() else DEFAULT_GRACE_S, slot=slot)
 
     @property
     def flavour(self) -> str:
@@ -111,7 +117,7 @@ class NativeEngine:
 
     @property
     def folder(self) -> Path:
-        return native_folder(self.project)
+        return native_folder(self.project, self.slot)
 
     @property
     def record_path(self) -> Path:
@@ -130,19 +136,19 @@ class NativeEngine:
         return self.folder / "engine.log"
 
     def read_record(self) -> EngineRecord | None:
-        return load_record(self.project).record
+        return load_record(self.project, self.slot).record
 
     def unrecorded(self, record: EngineRecord | None = None) -> list[EngineRecord]:
         """This checkout's engines that `record` does not name, found by their marker: one
         whose record was damaged, or overwritten by an `up` of a version without the lock."""
-        prefix = marker_prefix(self.project)
+        prefix = marker_prefix(self.project, self.slot)
         skip = record.marker if record is not None else None
         return marked_engines(self.table, lambda marker: marker != skip and marker.startswith(prefix))
 
     def command(self) -> NativeCommand:
         if self.resolved is None:
             raise NativeError("no profile was resolved, so there is nothing to start")
-        return native_serve_command(self.project, self.resolved, self.environ)
+        return native_serve_command(self.project, self.resolved, self.environ, folder=self.folder)
 
     # -- EngineRuntime ----------------------------------------------------------------------------
 
@@ -167,7 +173,7 @@ class NativeEngine:
             print(f"(dry run) note: {exc}; fix: {exc.fix}", file=self.out)
         for note in command.notes:
             print(f"note: {note}", file=self.out)
-        marker = new_marker(self.project)
+        marker = new_marker(self.project, self.slot)
         spec = {"argv": command.argv, "env": {**command.env, MARKER_VAR: marker},
                 "cwd": str(self.project.root), "root": str(self.project.root.resolve()),
                 "log": str(self.log_path),
@@ -200,7 +206,7 @@ class NativeEngine:
                                  "(invoke install-engine), and the log generated/native/engine.log")
 
     def state(self) -> EngineState:
-        record, problem, _ = load_record(self.project)
+        record, problem, _ = load_record(self.project, self.slot)
         if record is None:
             found = [p.pid for r in self.unrecorded() for p in EngineGroup(r, self.table).find()]
             if not found:
@@ -270,8 +276,10 @@ class NativeEngine:
     def remove(self) -> list[str]:
         """End this checkout's engine and dashboard; returns what was found but left alone
         (processes that are not this checkout's), each line naming a pid."""
-        left = self.dashboard().down()  # like compose's `down`: the side-car goes with the engine
-        record, problem, foreign = load_record(self.project)
+        # Like compose's `down`: the side-car goes with the default engine (never with a named
+        # one, which the router stops while the user's dashboard runs).
+        left = [] if self.slot else self.dashboard().down()
+        record, problem, foreign = load_record(self.project, self.slot)
         if foreign is not None:
             left += self._foreign(foreign, problem)
         elif problem:
@@ -307,7 +315,7 @@ class NativeEngine:
         record = self.read_record()
         engine = ([m for r in self.unrecorded() for m in self._members(r, unrecorded=True)]
                   if record is None else self._members(record))
-        return engine + self._dashboard_member()
+        return engine + ([] if self.slot else self._dashboard_member())
 
     def _dashboard_member(self) -> list[dict[str, Any]]:
         """The dashboard side-car, as compose lists its container: `down` ends it too."""

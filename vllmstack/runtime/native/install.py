@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from vllmstack.config.profiles import Resolved
-from vllmstack.core.checkout import holds_stack_lock
+from vllmstack.core.checkout import engine_names, holds_stack_lock
 from vllmstack.core.errors import StackError
 from vllmstack.core.files import JsonFileError, read_json_file, write_json
 from vllmstack.core.paths import Project
@@ -204,15 +204,17 @@ def pick_engine_wheel(wheels: Path, version: str, python: tuple[int, int],
 
 
 def check_not_in_use(project: Project, folder: Path) -> None:
-    """Refuse to replace the environment a running native engine was started from."""
-    record = read_record(project)
-    if record is None or not record.argv:
-        return
-    executable = Path(record.argv[0])
-    if folder.resolve() in executable.resolve().parents and ProcTable().is_alive(record):
-        raise EngineInstallError(
-            f"the native engine (pid {record.pid}) runs from {folder}; replacing it under a running "
-            "engine breaks it", "stop it first: invoke down")
+    """Refuse to replace the environment a running native engine was started from (the default
+    engine or a named one: the router's run one per profile)."""
+    for name in ["", *engine_names(project.generated)]:
+        record = read_record(project, name)
+        if record is None or not record.argv:
+            continue
+        executable = Path(record.argv[0])
+        if folder.resolve() in executable.resolve().parents and ProcTable().is_alive(record):
+            raise EngineInstallError(
+                f"the native engine (pid {record.pid}) runs from {folder}; replacing it under a "
+                "running engine breaks it", "stop it first: invoke down")
 
 
 @holds_stack_lock("install-engine")  # never while this stack's `up`/`down` starts or stops it

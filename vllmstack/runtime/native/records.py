@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from vllmstack.core.checkout import checkout_id
+from vllmstack.core.checkout import checkout_id, engine_dir
 from vllmstack.core.files import JsonFileError, read_json_file
 from vllmstack.core.paths import Project
 
@@ -86,8 +86,10 @@ class EngineRecord:
         return record
 
 
-def native_folder(project: Project) -> Path:
-    return project.generated / FOLDER
+def native_folder(project: Project, name: str = "") -> Path:
+    """generated/native for the default engine; generated/engines/NAME/native for a named one
+    (the router runs one engine per profile: each has its own record, log and sockets)."""
+    return engine_dir(project.generated, name) / FOLDER
 
 
 def origin_of(record: EngineRecord, project: Project) -> str:
@@ -107,13 +109,13 @@ class Loaded(NamedTuple):
     foreign: EngineRecord | None = None
 
 
-def read_record(project: Project) -> EngineRecord | None:
-    return load_record(project).record
+def read_record(project: Project, name: str = "") -> EngineRecord | None:
+    return load_record(project, name).record
 
 
-def load_record(project: Project) -> Loaded:
-    return load_record_file(project, native_folder(project) / "engine.json", "engine",
-                            marker_prefix(project))
+def load_record(project: Project, name: str = "") -> Loaded:
+    return load_record_file(project, native_folder(project, name) / "engine.json", "engine",
+                            marker_prefix(project, name))
 
 
 def load_record_file(project: Project, path: Path, what: str, prefix: str) -> Loaded:
@@ -137,14 +139,23 @@ def load_record_file(project: Project, path: Path, what: str, prefix: str) -> Lo
     return Loaded(record, "")
 
 
-def marker_prefix(project: Project) -> str:
+def marker_prefix(project: Project, name: str = "") -> str:
     """Every engine this checkout starts carries VLLMSTACK_ENGINE_ID=<prefix><random>, so its
-    processes are found even when no record names them (a damaged engine.json)."""
-    return f"{checkout_id(project.root)}-"
+    processes are found even when no record names them (a damaged engine.json). A named engine's
+    prefix is `<id>@NAME@`: `@` is in no engine name, so neither the default engine's search
+    (`<id>-`) nor another name's ever matches it."""
+    checkout = checkout_id(project.root)
+    return f"{checkout}@{name}@" if name else f"{checkout}-"
 
 
-def new_marker(project: Project) -> str:
-    return marker_prefix(project) + secrets.token_hex(12)
+def of_checkout(project: Project, marker: str) -> bool:
+    """Whether a marker is any engine's of this checkout, the default one or a named one."""
+    checkout = checkout_id(project.root)
+    return marker.startswith((f"{checkout}-", f"{checkout}@"))
+
+
+def new_marker(project: Project, name: str = "") -> str:
+    return marker_prefix(project, name) + secrets.token_hex(12)
 
 
 def dashboard_marker_prefix(project: Project) -> str:
