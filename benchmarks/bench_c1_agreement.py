@@ -45,7 +45,7 @@ def show_pp(row: dict[str, Any]) -> str:
 
 
 async def one(kind: str, url: str, tokenizer: Path, **opts: Any) -> dict[str, Any]:
-    from vllmstack.bench.runs import RunOptions, execute
+    from vllmstack.bench.runs.runs import RunOptions, execute
     from vllmstack.bench.target import target_from_url
 
     target = target_from_url(url, "sim", tokenizer=str(tokenizer), max_num_seqs=8)
@@ -69,7 +69,7 @@ def main() -> int:
     from simulator.fixture import run_simulator, sim_env
 
     import vllmstack
-    from vllmstack.bench.selftest_tokenizer import train_corpus_tokenizer
+    from vllmstack.bench.workload.selftest_tokenizer import train_corpus_tokenizer
 
     print(f"package: {Path(vllmstack.__file__).parent}")
     work = Path("/tmp") / "bench-c1-agreement"

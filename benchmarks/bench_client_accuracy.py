@@ -31,17 +31,17 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from simulator.fixture import run_simulator, sim_env  # noqa: E402
 
-from vllmstack.bench.client import ChatClient, chat_body  # noqa: E402
-from vllmstack.bench.prompts import PromptBuilder, load_tokenizer  # noqa: E402
-from vllmstack.bench.runs import (  # noqa: E402
+from vllmstack.bench.client.client import ChatClient, chat_body  # noqa: E402
+from vllmstack.bench.client.stats import percentile  # noqa: E402
+from vllmstack.bench.runs.runs import (  # noqa: E402
     RunOptions,
     Session,
     measure_overhead,
     run_conc_level,
 )
-from vllmstack.bench.selftest_tokenizer import train_corpus_tokenizer  # noqa: E402
-from vllmstack.bench.stats import percentile  # noqa: E402
 from vllmstack.bench.target import target_from_url  # noqa: E402
+from vllmstack.bench.workload.prompts import PromptBuilder, load_tokenizer  # noqa: E402
+from vllmstack.bench.workload.selftest_tokenizer import train_corpus_tokenizer  # noqa: E402
 from vllmstack.observe.metrics import parse_metrics  # noqa: E402
 
 TTFT_MS, PREFILL_TPS, ITL_MS = 100.0, 20000.0, 20.0

@@ -27,7 +27,7 @@ STEP = 64
 
 
 def parser_seconds(size: int) -> float:
-    from vllmstack.bench import client
+    from vllmstack.bench.client import client
 
     state_cls = client._StreamState
     line = b'data: {"x":"' + b"a" * size + b'"}\n\n'
@@ -39,7 +39,7 @@ def parser_seconds(size: int) -> float:
 
 
 def framing_seconds(size: int) -> float:
-    from vllmstack.bench.http import _Protocol
+    from vllmstack.bench.client.http import _Protocol
 
     async def run() -> float:
         protocol = _Protocol()
@@ -64,7 +64,7 @@ def framing_seconds(size: int) -> float:
 def deadline_seconds(env: dict[str, str]) -> tuple[float, str]:
     from simulator.fixture import run_simulator
 
-    from vllmstack.bench.client import ChatClient, chat_body
+    from vllmstack.bench.client.client import ChatClient, chat_body
 
     async def one(url: str) -> tuple[float, str]:
         async with ChatClient(url, timeout_s=2.0) as chat:

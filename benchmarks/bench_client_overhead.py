@@ -32,8 +32,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from helpers import free_port  # noqa: E402
 
-from vllmstack.bench.client import ChatClient, RequestResult, _StreamState  # noqa: E402
-from vllmstack.bench.stats import percentile  # noqa: E402
+from vllmstack.bench.client.client import ChatClient, RequestResult, _StreamState  # noqa: E402
+from vllmstack.bench.client.stats import percentile  # noqa: E402
 
 HEAD = ('"id":"chatcmpl-8d8a60308144a586","object":"chat.completion.chunk",'
         '"created":1795968669,"model":"tiny"')
@@ -146,7 +146,7 @@ async def client_cpu(url: str, streams: int, rounds: int) -> tuple[float, float,
     The callback time is everything the client does for a chunk (HTTP framing, SSE split,
     json.loads, bookkeeping): with a Protocol there is no per-chunk coroutine switch on top.
     """
-    from vllmstack.bench import http
+    from vllmstack.bench.client import http
 
     spent: list[float] = []
     original = http._Protocol.data_received
@@ -227,7 +227,7 @@ async def loop_floor(port: int, streams: int) -> float:
 
 
 async def fidelity_ours(url: str, requests: int) -> tuple[list[float], list[float]]:
-    from vllmstack.bench.http import HTTPClient
+    from vllmstack.bench.client.http import HTTPClient
 
     sends, delays = [], []
     http = HTTPClient(url)

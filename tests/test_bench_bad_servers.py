@@ -17,7 +17,7 @@ import pytest
 from simulator.fixture import run_simulator
 
 from vllmstack.bench.cli import main
-from vllmstack.bench.session import OVERHEAD_SAMPLES
+from vllmstack.bench.runs.session import OVERHEAD_SAMPLES
 from vllmstack.core.paths import Project
 
 FAST = {"SIM_BOOT_SECONDS": "0", "SIM_TTFT_MS": "5", "SIM_ITL_MS": "2"}

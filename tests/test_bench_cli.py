@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 from simulator.fixture import SimProcess, run_simulator
 
-from vllmstack.bench import history
 from vllmstack.bench.cli import main
-from vllmstack.bench.png import read_png_size
+from vllmstack.bench.report import history
+from vllmstack.bench.report.png import read_png_size
 from vllmstack.core.paths import Project
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from vllmstack.bench.client import chat_body, normalize_base_url
-from vllmstack.bench.stream import RequestResult, StreamState, check_against_request
+from vllmstack.bench.client.client import chat_body, normalize_base_url
+from vllmstack.bench.client.stream import RequestResult, StreamState, check_against_request
 
 HEAD = '"id":"chatcmpl-8d8a","object":"chat.completion.chunk","created":1795968669,"model":"tiny"'
 # Shapes copied from vLLM 0.27.1 (reference capture): the role chunk carries content "", then
@@ -315,7 +315,7 @@ def test_a_stream_released_in_one_burst_has_no_decode_rate() -> None:
 
 
 def test_burst_requests_are_left_out_of_decode_and_said() -> None:
-    from vllmstack.bench.session import summarize_results
+    from vllmstack.bench.runs.session import summarize_results
 
     class Quiet:
         overhead = None

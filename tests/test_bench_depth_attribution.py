@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from vllmstack.bench.client import RequestResult
-from vllmstack.bench.depth_runs import _cached_tokens
-from vllmstack.bench.session import Overhead, pp_estimate
+from vllmstack.bench.client.client import RequestResult
+from vllmstack.bench.runs.depth_runs import _cached_tokens
+from vllmstack.bench.runs.session import Overhead, pp_estimate
 from vllmstack.observe.metrics import parse_metrics
 
 

@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from vllmstack.bench.http import HTTPClient, HTTPError, HTTPTimeoutError, _Protocol
+from vllmstack.bench.client.http import HTTPClient, HTTPError, HTTPTimeoutError, _Protocol
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 

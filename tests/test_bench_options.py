@@ -2,7 +2,7 @@
 
 `--runs 0`, `--duration 0` and `--margin 0` used to become the defaults. Now a bound is declared
 with each option (vllmstack/bench/options.py) and checked where it is parsed; the probes' and
-stability modes' `--param` settings are declared and checked the same way (bench/params.py).
+stability modes' `--param` settings are declared and checked the same way (bench/probes/params.py).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllmstack.bench.session import (
+from vllmstack.bench.runs.session import (
     BELOW_RESOLUTION,
     Overhead,
     pp_estimate,

@@ -10,11 +10,11 @@ import pytest
 from helpers import bench_cli as cli
 from simulator.fixture import run_simulator
 
-from vllmstack.bench import history
-from vllmstack.bench.client import RequestResult
-from vllmstack.bench.png import decode_png, read_png_size
-from vllmstack.bench.probes import make_probe_image, stall_windows
-from vllmstack.bench.stability import check_loop
+from vllmstack.bench.client.client import RequestResult
+from vllmstack.bench.probes.probes import make_probe_image, stall_windows
+from vllmstack.bench.probes.stability import check_loop
+from vllmstack.bench.report import history
+from vllmstack.bench.report.png import decode_png, read_png_size
 
 FAST = {"SIM_BOOT_SECONDS": "0", "SIM_TTFT_MS": "5", "SIM_ITL_MS": "2"}
 ARGV = ["--served-model-name", "sim", "--max-model-len", "16384", "--max-num-seqs", "8",

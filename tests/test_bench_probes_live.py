@@ -14,8 +14,8 @@ import pytest
 from helpers import bench_cli as cli
 from simulator.fixture import run_simulator
 
-from vllmstack.bench.probe_cache import describe_layout, reachable_tokens
-from vllmstack.bench.probe_stall import stall_advice
+from vllmstack.bench.probes.probe_cache import describe_layout, reachable_tokens
+from vllmstack.bench.probes.probe_stall import stall_advice
 from vllmstack.observe.metrics import CacheLayout, parse_metrics
 
 # metrics-hybrid-tp2-mtp2-after-load.txt: a Qwen3.6-27B-like hybrid at TP=2 with MTP-2.

@@ -5,7 +5,7 @@ from typing import Any
 
 import pytest
 
-from vllmstack.bench.prompts import (
+from vllmstack.bench.workload.prompts import (
     PromptBuilder,
     TokenizerError,
     load_corpus,

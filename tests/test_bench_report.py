@@ -2,9 +2,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vllmstack.bench import history
-from vllmstack.bench.png import decode_png, read_png_size
-from vllmstack.bench.report import build_report, chart_series, render_chart, render_markdown
+from vllmstack.bench.report import history
+from vllmstack.bench.report.png import decode_png, read_png_size
+from vllmstack.bench.report.report import build_report, chart_series, render_chart, render_markdown
 
 
 def stat(mean: float, std: float = 0.0) -> dict[str, float]:

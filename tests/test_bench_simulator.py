@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from simulator.fixture import SimProcess, run_simulator, sim_env
 
-from vllmstack.bench import history
-from vllmstack.bench.runs import RunOptions, execute
+from vllmstack.bench.report import history
+from vllmstack.bench.runs.runs import RunOptions, execute
 from vllmstack.bench.target import target_from_url
 
 TTFT_MS, PREFILL_TPS, ITL_MS = 40.0, 20000.0, 10.0
@@ -152,7 +152,7 @@ def test_bench_and_conc_agree_at_concurrency_1(sim: SimProcess, tokenizer_file: 
 
 
 def test_unknown_model_is_a_clear_error(sim: SimProcess, tokenizer_file: Path) -> None:
-    from vllmstack.bench.runs import RunError
+    from vllmstack.bench.runs.runs import RunError
 
     target = target_from_url(sim.url, "nope", tokenizer=str(tokenizer_file))
     with pytest.raises(RunError, match="does not serve 'nope'; it serves: sim"):

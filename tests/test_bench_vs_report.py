@@ -15,12 +15,11 @@ import gguf
 import numpy as np
 import pytest
 
-from vllmstack.bench.client import RequestResult
-from vllmstack.bench.prompts import PromptBuilder, load_tokenizer
-from vllmstack.bench.resident import ServerTokenizer, load_kind, server_timings
-from vllmstack.bench.stream import StreamState
-from vllmstack.bench.vs import VsError, VsOptions, parse_target
-from vllmstack.bench.vs_report import (
+from vllmstack.bench.client.client import RequestResult
+from vllmstack.bench.client.stream import StreamState
+from vllmstack.bench.fleet.resident import ServerTokenizer, load_kind, server_timings
+from vllmstack.bench.fleet.vs import VsError, VsOptions, parse_target
+from vllmstack.bench.fleet.vs_report import (
     DIFFERENT,
     IDENTICAL,
     assign_pairs,
@@ -30,6 +29,7 @@ from vllmstack.bench.vs_report import (
     spec_draft,
     table_row,
 )
+from vllmstack.bench.workload.prompts import PromptBuilder, load_tokenizer
 from vllmstack.config.profiles import resolve
 from vllmstack.core.paths import Project
 
@@ -228,7 +228,7 @@ def test_prompts_are_cut_to_length_with_the_servers_tokenizer(
 
 
 def test_a_dead_server_tokenizer_is_a_clear_error() -> None:
-    from vllmstack.bench.prompts import TokenizerError
+    from vllmstack.bench.workload.prompts import TokenizerError
 
     with pytest.raises(TokenizerError, match="/tokenize"):
         ServerTokenizer("http://127.0.0.1:9", timeout_s=1).encode("hi")
@@ -279,7 +279,7 @@ def test_without_keep_alive_every_request_gets_its_own_connection() -> None:
     reuses it loses the next request now and then. keep_alive=False: a new connection each time."""
     import asyncio
 
-    from vllmstack.bench.client import ChatClient, chat_body
+    from vllmstack.bench.client.client import ChatClient, chat_body
 
     chunks = [*LLAMA_STREAM[1:4], LLAMA_STREAM[5]]
     body = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vllmstack.bench.burn import render, summarize_runs, table_row, unstable, write_markdown
-from vllmstack.bench.client import RequestResult
+from vllmstack.bench.client.client import RequestResult
+from vllmstack.bench.fleet.burn import render, summarize_runs, table_row, unstable, write_markdown
 
 
 def run(tps: float, tokens: int = 100, ttft_s: float = 0.05, error: str | None = None

@@ -158,12 +158,12 @@ def test_stack_errors_end_a_task_with_their_message_and_exit_1(
 
 def test_benchmark_and_dashboard_errors_are_stack_errors() -> None:
     from vllmstack.bench.cli import CliError
-    from vllmstack.bench.client import EndpointError
-    from vllmstack.bench.history import HistoryError
-    from vllmstack.bench.ladders import LadderError
-    from vllmstack.bench.prompts import TokenizerError
-    from vllmstack.bench.runs import RunError
+    from vllmstack.bench.client.client import EndpointError
+    from vllmstack.bench.report.history import HistoryError
+    from vllmstack.bench.runs.runs import RunError
     from vllmstack.bench.target import TargetError
+    from vllmstack.bench.workload.ladders import LadderError
+    from vllmstack.bench.workload.prompts import TokenizerError
     from vllmstack.dashboard.app import DashboardError
     from vllmstack.dashboard.runs import RunError as DashboardRunError
 

@@ -17,7 +17,7 @@ import pytest
 from fastapi.testclient import TestClient
 from helpers import free_port
 
-from vllmstack.bench import history
+from vllmstack.bench.report import history
 from vllmstack.core.paths import Project
 from vllmstack.dashboard.__main__ import main, parse_settings
 from vllmstack.dashboard.app import DashboardError, DashboardSettings, create_app

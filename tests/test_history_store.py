@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from vllmstack.bench import history
+from vllmstack.bench.report import history
 
 
 def _writer(path: str, worker: int, count: int) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllmstack.bench import roofline
-from vllmstack.bench.report import render_markdown
+from vllmstack.bench.report import roofline
+from vllmstack.bench.report.report import render_markdown
 from vllmstack.config.modelinfo import GIB, MIB, ModelFacts
 from vllmstack.config.profiles import resolve
 from vllmstack.core.paths import Project

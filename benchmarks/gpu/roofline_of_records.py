@@ -5,7 +5,7 @@ Usage: python benchmarks/gpu/roofline_of_records.py MODELS_DIR DEVICE RUN_DIR [R
 Each RUN_DIR holds a run's bench_c1.json and the dotenv.txt it ran with (as the H200 run scripts
 pack them). The profile is resolved from that dotenv with /tmp/models replaced by MODELS_DIR (the
 same dummy-model config.json files, made by shared/gpu/make_dummy_models.py, so the weight size is
-the dummy's own) and GPU_DEVICE_NAME=DEVICE, and every row is set against vllmstack.bench.roofline
+the dummy's own) and GPU_DEVICE_NAME=DEVICE, and every row is set against vllmstack.bench.report.roofline
 exactly as `invoke bench` does it now.
 """
 
@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from vllmstack.bench import roofline
+from vllmstack.bench.report import roofline
 from vllmstack.config.profiles import resolve
 from vllmstack.core.paths import Project
 

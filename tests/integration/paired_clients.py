@@ -42,8 +42,8 @@ from vllm.benchmarks.lib.endpoint_request_func import (  # type: ignore[import-n
     async_request_openai_chat_completions,
 )
 
-from vllmstack.bench.client import ChatClient, chat_body
-from vllmstack.bench.prompts import PromptBuilder
+from vllmstack.bench.client.client import ChatClient, chat_body
+from vllmstack.bench.workload.prompts import PromptBuilder
 
 WARMUP = 2
 # What `invoke bench` asks beyond vLLM's client, given to it too, so both requests cost the server

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from helpers import ROOT, copy_project, free_port, write_dotenv
 
-from vllmstack.bench import history
-from vllmstack.bench.vs import VsError, run_bench_vs
+from vllmstack.bench.fleet.vs import VsError, run_bench_vs
+from vllmstack.bench.report import history
 from vllmstack.core.paths import Project
 from vllmstack.serve.state import read_state
 

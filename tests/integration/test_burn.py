@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from test_bench_vs import Sims  # the simulator-profile project both integration tests use
 
-from vllmstack.bench import history
-from vllmstack.bench.burn import BurnError, run_burn
-from vllmstack.bench.resident import today
+from vllmstack.bench.fleet.burn import BurnError, run_burn
+from vllmstack.bench.fleet.resident import today
+from vllmstack.bench.report import history
 from vllmstack.serve.state import read_state
 
 

@@ -27,7 +27,7 @@ from simulator.fixture import SimProcess, run_simulator
 from test_llamacpp_checks import small_gguf
 
 from vllmstack.bench.cli import main
-from vllmstack.bench.session import RunError, RunOptions
+from vllmstack.bench.runs.session import RunError, RunOptions
 from vllmstack.checks.gguf import GgufError, read_gguf
 from vllmstack.checks.registry import run_checks
 from vllmstack.config import migrate

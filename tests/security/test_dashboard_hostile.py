@@ -30,7 +30,7 @@ import pytest
 from fastapi.testclient import TestClient
 from helpers import ROOT, free_port
 
-from vllmstack.bench import history
+from vllmstack.bench.report import history
 from vllmstack.dashboard.app import DashboardSettings, create_app
 from vllmstack.dashboard.runs import RUN_RECORD_FILE, RunBusyError, RunManager
 

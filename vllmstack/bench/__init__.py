@@ -1,11 +1,18 @@
 """Benchmarks, regression probes and stability runs against an OpenAI-compatible endpoint.
 
-Modules: `client` (streaming HTTP client and per-request timings), `prompts` (tokenizer lookup and
-exact-length prompts from the shipped corpus), `stats` (summaries), `ladders` (depth and
-concurrency rungs), `session` (run options, overhead correction, summary rows), `runs` (bench,
-and `execute` for every kind), `depth_runs`, `conc_runs`, `probes`, `stability`, `report`,
-`target` (what a run or the dashboard talks to), `options` (every command-line option, declared
-once for `python -m vllmstack.bench` and the invoke tasks), `cli`. Nothing here runs at import time.
+Subpackages, bottom to top (each imports only those before it; import-linter checks):
+
+  client/    the measuring client: HTTP, SSE parsing, per-request timings, their statistics
+  workload/  exact-length prompts from the shipped corpus, tokenizers, depth/concurrency ladders
+  report/    the JSONL history, the report and its PNG charts, % of the roofline
+  probes/    regression probes and stability runs, their settings and verdicts
+  runs/      bench, depth and conc runs and the session they share
+  fleet/     profiles measured one resident at a time: bench-vs and burn
+
+Beside them: `target.py` (what a run or the dashboard talks to: a URL or the running stack),
+`options.py` (every command-line option, declared once for `python -m vllmstack.bench` and the
+invoke tasks; below `runs`, above `probes`) and `cli.py` (the command line, on top of all).
+Nothing here runs at import time.
 """
 
 from __future__ import annotations

@@ -23,25 +23,25 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
-from vllmstack.bench import history
-from vllmstack.bench.client import ChatClient
-from vllmstack.bench.ladders import DEFAULT_MARGIN
+from vllmstack.bench.client.client import ChatClient
 from vllmstack.bench.options import COMMANDS, add_arguments
-from vllmstack.bench.params import ParamError, check_params
-from vllmstack.bench.probes import ProbeContext, run_probe
-from vllmstack.bench.prompts import PromptBuilder, TokenizerError, load_tokenizer
-from vllmstack.bench.prompts import resolve_tokenizer as find_tokenizer
-from vllmstack.bench.report import build_report
-from vllmstack.bench.runs import (
+from vllmstack.bench.probes.params import ParamError, check_params
+from vllmstack.bench.probes.probes import ProbeContext, run_probe
+from vllmstack.bench.probes.stability import run_stability
+from vllmstack.bench.probes.verdict import Verdict
+from vllmstack.bench.report import history
+from vllmstack.bench.report.report import build_report
+from vllmstack.bench.runs.runs import (
     RUN_KINDS,
     RunOptions,
     execute,
     find_served_model,
     live_max_model_len,
 )
-from vllmstack.bench.stability import run_stability
 from vllmstack.bench.target import Target, target_from_profile, target_from_url
-from vllmstack.bench.verdict import Verdict
+from vllmstack.bench.workload.ladders import DEFAULT_MARGIN
+from vllmstack.bench.workload.prompts import PromptBuilder, TokenizerError, load_tokenizer
+from vllmstack.bench.workload.prompts import resolve_tokenizer as find_tokenizer
 from vllmstack.core.errors import StackError
 from vllmstack.core.paths import Project, results_folder
 
@@ -105,7 +105,7 @@ def resolve_target(args: argparse.Namespace, project: Project,
 
 def roofline_inputs(resolved: Any, environ: Mapping[str, str]) -> dict[str, Any] | None:
     """The roofline's inputs; a profile too vague for them costs the column, not the run."""
-    from vllmstack.bench import roofline
+    from vllmstack.bench.report import roofline
 
     try:
         return roofline.inputs_from_profile(resolved, environ)

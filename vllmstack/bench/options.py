@@ -27,8 +27,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from vllmstack.bench.history import KINDS
-from vllmstack.bench.ladders import DEFAULT_MARGIN
+from vllmstack.bench.report.history import KINDS
+from vllmstack.bench.workload.ladders import DEFAULT_MARGIN
 
 TARGET = "target (default: the running stack from the profile)"
 WHOLE = re.compile(r"[+-]?[0-9]+")
@@ -61,13 +61,13 @@ def _number(value: float) -> str:
 
 def _probe_names() -> list[str]:
     # Deferred: the probes module is only needed to parse, not to list the invoke tasks.
-    from vllmstack.bench.probes import PROBES
+    from vllmstack.bench.probes.probes import PROBES
 
     return sorted(PROBES)
 
 
 def _stability_modes() -> Sequence[str]:
-    from vllmstack.bench.stability import MODES
+    from vllmstack.bench.probes.stability import MODES
 
     return MODES
 

@@ -39,7 +39,7 @@ class Target:
     # The stack's Hugging Face cache (HF_HOME of the engine) when the profile moves it
     # (HF_CACHE_DIR / HOST_CACHE_DIR): a tokenizer given as a hub id is looked up there first.
     hf_cache: str | None = None
-    # What the card and the model allow at best (bench/roofline.py); None on a CPU platform.
+    # What the card and the model allow at best (bench/report/roofline.py); None on a CPU platform.
     roofline: dict[str, Any] | None = None
 
     def describe(self) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from vllmstack.core.errors import StackError
 def stopped_cleanly(command: str) -> Iterator[None]:
     """SIGTERM, SIGHUP or Ctrl-C: the profile in progress is taken down (resident.take_down runs
     on the way out), then the command ends with error/fix instead of leaving its engine behind."""
-    from vllmstack.bench.resident import Interrupted, stop_on_signals
+    from vllmstack.bench.fleet.resident import Interrupted, stop_on_signals
 
     try:
         with stop_on_signals():
@@ -45,7 +45,7 @@ def bench_vs(c: Context, target: Sets = None, ctx: int = 8000, concurrency: int 
              think: bool = False, platform: Opt = None, runtime: Opt = None,
              json: bool = False) -> None:
     """Bring each target up in turn, measure it with one client and one definition, take it down."""
-    from vllmstack.bench import vs, vs_report
+    from vllmstack.bench.fleet import vs, vs_report
 
     with stopped_cleanly("bench-vs"):
         result = vs.run_bench_vs(project_here(), os.environ, list(target or []), think=think,
@@ -64,7 +64,7 @@ def bench_vs(c: Context, target: Sets = None, ctx: int = 8000, concurrency: int 
 def burn(c: Context, profiles: Opt = None, runs: int = 5, warmup: int = 2, max_tokens: int = 200,
          platform: Opt = None, runtime: Opt = None, json: bool = False) -> None:
     """Load every profile that fits this platform, measure it, unload it; a PASS/FAIL table."""
-    from vllmstack.bench import burn as burn_test
+    from vllmstack.bench.fleet import burn as burn_test
 
     chosen = [p.strip() for p in (profiles or "").split(",") if p.strip()] or None
     with stopped_cleanly("burn"):

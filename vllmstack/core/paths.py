@@ -92,7 +92,7 @@ def results_folder(project: Project) -> Path:
 
 def _merge(legacy: Path, target: Path) -> None:
     """legacy's lines, then target's, into target; under the lock every history writer takes
-    (bench.history.lock_path), so a run appending now loses nothing."""
+    (bench.report.history.lock_path), so a run appending now loses nothing."""
     fd = os.open(target.with_name(target.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)

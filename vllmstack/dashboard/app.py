@@ -43,7 +43,7 @@ from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, Field
 
-from vllmstack.bench import history
+from vllmstack.bench.report import history
 from vllmstack.core import access
 from vllmstack.core.errors import StackError
 from vllmstack.dashboard.gate import Gate, authorized, header_map

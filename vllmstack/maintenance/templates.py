@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from vllmstack.bench.prompts import TokenizerError, load_tokenizer, resolve_tokenizer
 from vllmstack.bench.target import profile_hf_cache
+from vllmstack.bench.workload.prompts import TokenizerError, load_tokenizer, resolve_tokenizer
 from vllmstack.checks.chat_render import ChatTemplate, TemplateError
 from vllmstack.checks.template import (
     TEMPLATE_DIR,

@@ -48,7 +48,7 @@ SCALES_FILE = "kv_scales.safetensors"
 # Bump when what the sidecar promises changes (the measurement, the file layout).
 FORMAT_VERSION = 1
 KV_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
-DEFAULT_CORPUS = Path(__file__).resolve().parents[1] / "bench" / "corpus" / "essays.txt"
+DEFAULT_CORPUS = Path(__file__).resolve().parents[1] / "bench" / "workload" / "corpus" / "essays.txt"
 
 
 class CalibrationError(StackError):

@@ -2,12 +2,12 @@
 
 The folder is a complete Hugging Face model: config.json (Qwen3ForCausalLM at a small geometry),
 model.safetensors (random bf16 weights, written here without torch or numpy), tokenizer.json (the
-corpus BPE of `bench.selftest_tokenizer` plus Qwen's special tokens), tokenizer_config.json with
-the chat template, and generation_config.json. It goes into the Hugging Face cache as the repo
-`vllmstack/tiny-qwen3` (refs/main -> a snapshot named by the content's hash), so the `tiny`
-profile names it like any hub model: both runtimes already see that cache (the container mounts
-it), the profile holds no host path, and HF_HUB_OFFLINE=1 serves it without a network. `--out`
-writes the same files into a plain folder instead (e.g. under MODELS_DIR).
+corpus BPE of `bench.workload.selftest_tokenizer` plus Qwen's special tokens),
+tokenizer_config.json with the chat template, and generation_config.json. It goes into the Hugging
+Face cache as the repo `vllmstack/tiny-qwen3` (refs/main -> a snapshot named by the content's
+hash), so the `tiny` profile names it like any hub model: both runtimes already see that cache (the
+container mounts it), the profile holds no host path, and HF_HUB_OFFLINE=1 serves it without a
+network. `--out` writes the same files into a plain folder instead (e.g. under MODELS_DIR).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllmstack.bench.selftest_tokenizer import train_corpus_tokenizer
+from vllmstack.bench.workload.selftest_tokenizer import train_corpus_tokenizer
 from vllmstack.config.profiles import Resolved
 from vllmstack.core.errors import StackError
 from vllmstack.models.chat_template import CHAT_TEMPLATE

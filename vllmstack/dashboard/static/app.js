@@ -329,7 +329,7 @@ const COLUMNS = [
 // Columns that only mean something for one kind (a bench runs at depth 0, concurrency 1).
 const ONLY = { depth: "depth", concurrency: "conc", total_tps: "conc", roofline: "bench" };
 
-// The row's share of what the card allows at best (bench/roofline.py): "tg 41% / pp 28%".
+// The row's share of what the card allows at best (bench/report/roofline.py): "tg 41% / pp 28%".
 function rooflineCell(roof) {
   if (!roof || typeof roof !== "object") return "–";
   if (!roof.card) return roof.note || "unknown card";

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllmstack.bench.resident import append_text, md_table, one_line, stamp, vram_text
+from vllmstack.bench.fleet.resident import append_text, md_table, one_line, stamp, vram_text
 from vllmstack.config.engine import LLAMACPP, display_name, engine_of
 from vllmstack.config.profiles import Resolved
 from vllmstack.runtime.engine_env import stack_paths

@@ -30,12 +30,12 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllmstack.bench.client import ChatClient, EndpointError, RequestResult, chat_body
-from vllmstack.bench.ladders import DEFAULT_MARGIN
+from vllmstack.bench.client.client import ChatClient, EndpointError, RequestResult, chat_body
+from vllmstack.bench.client.stats import summarize
 from vllmstack.bench.options import MAX_TOKENS
-from vllmstack.bench.prompts import PromptBuilder
-from vllmstack.bench.stats import summarize
 from vllmstack.bench.target import Target
+from vllmstack.bench.workload.ladders import DEFAULT_MARGIN
+from vllmstack.bench.workload.prompts import PromptBuilder
 from vllmstack.core.errors import StackError
 from vllmstack.observe.metrics import MetricsError, MetricsSnapshot, parse_metrics
 

@@ -36,7 +36,7 @@ class TokenizerError(StackError, ValueError):
 
 def load_corpus() -> list[str]:
     """The shipped corpus as paragraphs (original prose, varied topics, no downloads)."""
-    text = resources.files("vllmstack.bench").joinpath("corpus", CORPUS_FILE).read_text("utf-8")
+    text = resources.files("vllmstack.bench.workload").joinpath("corpus", CORPUS_FILE).read_text("utf-8")
     return [p.strip() for p in text.split(PARAGRAPH_SEPARATOR) if p.strip()]
 
 

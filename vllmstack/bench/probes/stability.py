@@ -16,11 +16,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from vllmstack.bench.client import RequestResult, chat_body
-from vllmstack.bench.probes import ProbeContext
-from vllmstack.bench.prompts import load_corpus
-from vllmstack.bench.stats import summarize
-from vllmstack.bench.verdict import FAIL, INFO, Verdict
+from vllmstack.bench.client.client import RequestResult, chat_body
+from vllmstack.bench.client.stats import summarize
+from vllmstack.bench.probes.probes import ProbeContext
+from vllmstack.bench.probes.verdict import FAIL, INFO, Verdict
+from vllmstack.bench.workload.prompts import load_corpus
 
 Progress = Callable[[str], None]
 MODES = ("smoke", "stress", "long")

@@ -7,8 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllmstack.bench.client import ChatClient, EndpointError
-from vllmstack.bench.prompts import PromptBuilder
+from vllmstack.bench.client.client import ChatClient, EndpointError
+from vllmstack.bench.workload.prompts import PromptBuilder
 from vllmstack.observe.metrics import MetricsError, MetricsSnapshot, parse_metrics
 
 Progress = Callable[[str], None]

@@ -20,10 +20,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from vllmstack.bench.client import RequestResult, chat_body
-from vllmstack.bench.probe_base import THINKING_OFF, ProbeContext
-from vllmstack.bench.stats import percentile
-from vllmstack.bench.verdict import INFO, Verdict
+from vllmstack.bench.client.client import RequestResult, chat_body
+from vllmstack.bench.client.stats import percentile
+from vllmstack.bench.probes.probe_base import THINKING_OFF, ProbeContext
+from vllmstack.bench.probes.verdict import INFO, Verdict
 
 MAX_VICTIMS = 8
 # Chunk budgets the advice table projects (vLLM's default on large GPUs is 8192 or 16384).

@@ -18,8 +18,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from vllmstack.bench.http import HTTPClient, HTTPError, HTTPTimeoutError, Response
-from vllmstack.bench.stream import (
+from vllmstack.bench.client.http import HTTPClient, HTTPError, HTTPTimeoutError, Response
+from vllmstack.bench.client.stream import (
     RequestResult,
     StreamState,
     check_against_request,

@@ -7,10 +7,8 @@ import time
 import uuid
 from typing import Any
 
-from vllmstack.bench.client import RequestResult
-from vllmstack.bench.ladders import conc_ladder
-from vllmstack.bench.prompts import Prompt
-from vllmstack.bench.session import (
+from vllmstack.bench.client.client import RequestResult
+from vllmstack.bench.runs.session import (
     RunError,
     Session,
     progress_line,
@@ -18,6 +16,8 @@ from vllmstack.bench.session import (
     summarize_results,
     user,
 )
+from vllmstack.bench.workload.ladders import conc_ladder
+from vllmstack.bench.workload.prompts import Prompt
 
 
 async def run_conc(session: Session, max_num_seqs: int | None) -> list[dict[str, Any]]:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllmstack.bench.client import RequestResult
-from vllmstack.bench.ladders import depth_ladder
-from vllmstack.bench.session import (
+from vllmstack.bench.client.client import RequestResult
+from vllmstack.bench.client.stats import summarize
+from vllmstack.bench.runs.session import (
     RunError,
     Session,
     pp_estimate,
@@ -19,7 +19,7 @@ from vllmstack.bench.session import (
     summarize_results,
     user,
 )
-from vllmstack.bench.stats import summarize
+from vllmstack.bench.workload.ladders import depth_ladder
 from vllmstack.observe.metrics import MetricsSnapshot
 
 # A two-phase depth run counts as a cache hit when at least this share of the context was reused

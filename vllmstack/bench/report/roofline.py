@@ -125,7 +125,7 @@ def compute_inputs(facts: ModelFacts, tp: int, device: str, kv_dtype: str, topk:
     card = card_for(device)
     if card is None:
         notes.append(f"card {device or '(GPU_DEVICE_NAME unset)'} is not in the roofline table "
-                     "(vllmstack/bench/roofline.py CARDS)")
+                     "(vllmstack/bench/report/roofline.py CARDS)")
     return Inputs(device=device, tp=tp, decode_bytes_per_gpu=decode / tp,
                   kv_bytes_per_token_per_gpu=float(kv),
                   state_bytes_per_gpu=(facts.mamba_state_mib or 0) * MIB / tp,
@@ -187,7 +187,7 @@ def progress_line(row: Mapping[str, Any], label: str) -> str | None:
     if not isinstance(roof, dict):
         return None
     if not roof.get("card"):
-        return f"{label}: roofline: {roof.get('note')} (add it to vllmstack/bench/roofline.py CARDS)"
+        return f"{label}: roofline: {roof.get('note')} (add it to vllmstack/bench/report/roofline.py CARDS)"
     text = [f"{label}: roofline on {roof['card']}:"]
     if "decode_limit_tps" in roof:
         text.append(f"decode {roof.get('decode_pct', '-')}% of {roof['decode_limit_tps']:.0f} t/s "

@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from vllmstack.bench import history, roofline
-from vllmstack.bench.png import GLYPH_H, Canvas, Color, text_width
+from vllmstack.bench.report import history, roofline
+from vllmstack.bench.report.png import GLYPH_H, Canvas, Color, text_width
 
 SERIES_COLORS: list[Color] = [(31, 119, 180), (214, 39, 40), (44, 160, 44), (255, 127, 14),
                               (148, 103, 189), (140, 86, 75), (227, 119, 194), (23, 190, 207)]

@@ -23,10 +23,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from vllmstack.bench import history
-from vllmstack.bench.client import ChatClient, RequestResult, chat_body
-from vllmstack.bench.prompts import load_corpus
-from vllmstack.bench.resident import (
+from vllmstack.bench.client.client import ChatClient, RequestResult, chat_body
+from vllmstack.bench.client.stats import summarize
+from vllmstack.bench.fleet.resident import (
     ResidentResult,
     append_text,
     diagnosis,
@@ -41,10 +40,11 @@ from vllmstack.bench.resident import (
     take_down,
     today,
 )
-from vllmstack.bench.runs import find_served_model
-from vllmstack.bench.session import user
-from vllmstack.bench.stats import summarize
+from vllmstack.bench.report import history
+from vllmstack.bench.runs.runs import find_served_model
+from vllmstack.bench.runs.session import user
 from vllmstack.bench.target import Target, target_from_profile
+from vllmstack.bench.workload.prompts import load_corpus
 from vllmstack.config.engine import display_name, engine_of
 from vllmstack.config.profiles import available, list_profiles, resolve
 from vllmstack.core.errors import StackError

@@ -26,9 +26,9 @@ from typing import Any, TextIO
 
 import requests
 
-from vllmstack.bench.client import RequestResult
-from vllmstack.bench.prompts import TokenizerError
-from vllmstack.bench.session import Session
+from vllmstack.bench.client.client import RequestResult
+from vllmstack.bench.runs.session import Session
+from vllmstack.bench.workload.prompts import TokenizerError
 from vllmstack.config.engine import LLAMACPP
 from vllmstack.config.profiles import Resolved
 from vllmstack.core.errors import StackError

@@ -24,12 +24,12 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from vllmstack.bench.client import RequestResult, chat_body
-from vllmstack.bench.png import Canvas, text_width
-from vllmstack.bench.probe_base import THINKING_OFF, ProbeContext, message_text
-from vllmstack.bench.probe_cache import probe_prefix_cache
-from vllmstack.bench.probe_stall import probe_itl_stall, stall_windows
-from vllmstack.bench.verdict import FAIL, INFO, PASS, Verdict
+from vllmstack.bench.client.client import RequestResult, chat_body
+from vllmstack.bench.probes.probe_base import THINKING_OFF, ProbeContext, message_text
+from vllmstack.bench.probes.probe_cache import probe_prefix_cache
+from vllmstack.bench.probes.probe_stall import probe_itl_stall, stall_windows
+from vllmstack.bench.probes.verdict import FAIL, INFO, PASS, Verdict
+from vllmstack.bench.report.png import Canvas, text_width
 
 __all__ = ["PROBES", "THINKING_OFF", "ProbeContext", "make_probe_image", "run_probe",
            "stall_windows"]

@@ -25,12 +25,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, TextIO
 
-from vllmstack.bench import history
-from vllmstack.bench.client import ChatClient, EndpointError
-from vllmstack.bench.conc_runs import run_conc_level
-from vllmstack.bench.ladders import DEFAULT_MARGIN
-from vllmstack.bench.prompts import PromptBuilder, TokenizerError, load_tokenizer, resolve_tokenizer
-from vllmstack.bench.resident import (
+from vllmstack.bench.client.client import ChatClient, EndpointError
+from vllmstack.bench.fleet.resident import (
     CollectingSession,
     ResidentResult,
     ServerTokenizer,
@@ -45,10 +41,14 @@ from vllmstack.bench.resident import (
     start,
     take_down,
 )
-from vllmstack.bench.runs import find_served_model, live_max_model_len, run_bench
-from vllmstack.bench.session import Progress, RunError, RunOptions, measure_overhead
+from vllmstack.bench.fleet.vs_report import assign_pairs, checkpoint_of, spec_draft, write_markdown
+from vllmstack.bench.report import history
+from vllmstack.bench.runs.conc_runs import run_conc_level
+from vllmstack.bench.runs.runs import find_served_model, live_max_model_len, run_bench
+from vllmstack.bench.runs.session import Progress, RunError, RunOptions, measure_overhead
 from vllmstack.bench.target import Target, shared_platform, target_from_profile
-from vllmstack.bench.vs_report import assign_pairs, checkpoint_of, spec_draft, write_markdown
+from vllmstack.bench.workload.ladders import DEFAULT_MARGIN
+from vllmstack.bench.workload.prompts import PromptBuilder, TokenizerError, load_tokenizer, resolve_tokenizer
 from vllmstack.config.engine import DISPLAY, LLAMACPP, VLLM, engine_of
 from vllmstack.config.profiles import Resolved, resolve
 from vllmstack.core.errors import StackError

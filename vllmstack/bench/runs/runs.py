@@ -13,12 +13,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from vllmstack.bench import history, roofline
-from vllmstack.bench.client import ChatClient, EndpointError
-from vllmstack.bench.conc_runs import run_conc, run_conc_level
-from vllmstack.bench.depth_runs import run_depth
-from vllmstack.bench.prompts import PromptBuilder, load_tokenizer, resolve_tokenizer
-from vllmstack.bench.session import (
+from vllmstack.bench.client.client import ChatClient, EndpointError
+from vllmstack.bench.report import history, roofline
+from vllmstack.bench.runs.conc_runs import run_conc, run_conc_level
+from vllmstack.bench.runs.depth_runs import run_depth
+from vllmstack.bench.runs.session import (
     Overhead,
     Progress,
     RunError,
@@ -31,6 +30,7 @@ from vllmstack.bench.session import (
     user,
 )
 from vllmstack.bench.target import Target
+from vllmstack.bench.workload.prompts import PromptBuilder, load_tokenizer, resolve_tokenizer
 
 __all__ = [
     "RUN_KINDS",

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllmstack.bench.client import chat_body
-from vllmstack.bench.probe_base import THINKING_OFF, ProbeContext, message_text
-from vllmstack.bench.prompts import load_corpus
-from vllmstack.bench.verdict import FAIL, INFO, Verdict
+from vllmstack.bench.client.client import chat_body
+from vllmstack.bench.probes.probe_base import THINKING_OFF, ProbeContext, message_text
+from vllmstack.bench.probes.verdict import FAIL, INFO, Verdict
+from vllmstack.bench.workload.prompts import load_corpus
 from vllmstack.observe.metrics import CacheLayout, MetricsSnapshot
 
 QUESTIONS = ["Which topic in the text did you find most interesting, and why?",

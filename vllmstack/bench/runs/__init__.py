@@ -1,0 +1,11 @@
+"""The measured runs: bench (pp/tg matrix), depth (context ladder), conc (concurrency ladder).
+
+  runs.py        `execute`: one kind end to end (target, tokenizer, history record)
+  session.py     the options, client, prompts, overhead correction and summary row of a session
+  depth_runs.py  the depth run
+  conc_runs.py   the concurrency run
+
+Imports `client`, `workload`, `report`, `target` and `options` (the token bound).
+"""
+
+from __future__ import annotations
