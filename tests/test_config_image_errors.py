@@ -12,7 +12,7 @@ from vllmstack.config.vllm_args import ArgvError
 from vllmstack.core.errors import StackError
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import RecordingRunner, Result
-from vllmstack.image.build import BuildError, wheel_version
+from vllmstack.image.build import BuildError, rocm_wheel_target
 from vllmstack.image.patches import PatchError, parse_component_pairs
 from vllmstack.image.sources import GitTool, SourceError, download_sdist
 
@@ -30,7 +30,7 @@ def test_every_domain_error_is_a_stack_error(error: type[Exception],
 
 def test_messages_stay_whole_and_the_fix_comes_apart(project: Project) -> None:
     with pytest.raises(BuildError) as build_err:
-        wheel_version("rocm/dev:latest", "0.31.0", "gfx1201")
+        rocm_wheel_target("rocm/dev:latest", "gfx1201")
     assert str(build_err.value).endswith("must start with X.Y (e.g. :10.1.0-full)")
     assert build_err.value.render().splitlines()[-1].startswith("fix:   use a tag like ")
 
