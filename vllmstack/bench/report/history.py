@@ -172,22 +172,6 @@ def read_records(path: Path, *, include_rotated: bool = False) -> list[dict[str,
     return records
 
 
-def rewrite_locked(path: Path, records: list[dict[str, Any]]) -> None:
-    """Replace the file's content atomically; the caller holds the lock."""
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            for record in records:
-                handle.write(encode_record(record))
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
 def record_matches(record: dict[str, Any], record_id: str) -> bool:
     """Whether `record` has the id a URL or command line names (text: an id stored as a number
     is found by its digits, as the listing shows it)."""
@@ -233,7 +217,7 @@ def clear(path: Path) -> int:
     with locked(path):
         if path.exists():
             removed += len(read_file(path).records)
-            rewrite_locked(path, [])
+            rewrite_lines_locked(path, [])
         old = rotated_path(path)
         if old.exists():
             removed += len(read_file(old).records)
