@@ -273,7 +273,7 @@ class External:
     def __init__(self, url: str) -> None:
         self.url = url
 
-    def load(self, entry: Any) -> Any:
+    def load(self, entry: Any, util: Any = None, sleep_mode: bool = False) -> Any:
         from vllmstack.router.engines import Loaded
 
         return Loaded(self.url)
@@ -285,6 +285,15 @@ class External:
         pass
 
     def adoptable(self, catalog: Any) -> Any:
+        return []
+
+    def sleep(self, entry: Any) -> Any:
+        raise RuntimeError("the bench's engine is never put to sleep")
+
+    def wake(self, entry: Any) -> float:
+        raise RuntimeError("the bench's engine is never put to sleep")
+
+    def memory(self) -> Any:
         return None
 
 
@@ -381,11 +390,15 @@ def simulated(args: argparse.Namespace) -> dict[str, Any]:
              str(router_port), "--ttl", "0", "--profiles", "sim-a,sim-b,stamp"], cwd=root,
             env={**env, "PYTHONPATH": str(ROOT)}, text=True, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT)
-        routed, direct = f"http://127.0.0.1:{router_port}", f"http://127.0.0.1:{engine_port}"
+        routed = f"http://127.0.0.1:{router_port}"
+
+        def direct(model: str) -> str:  # each profile's own engine (one port per profile)
+            return str(get_json(routed + "/v1/health")["engines"][model]["url"])
+
         try:
             wait_for(routed, router)
             post_json(routed + "/v1/load", {"model": "sim-a"})
-            simulator = measure(direct, routed, "sim-a", router.pid, args, stamped=False)
+            simulator = measure(direct("sim-a"), routed, "sim-a", router.pid, args, stamped=False)
             swaps = []
             for i in range(args.swaps):
                 target = "sim-b" if i % 2 == 0 else "sim-a"
@@ -396,7 +409,7 @@ def simulated(args: argparse.Namespace) -> dict[str, Any]:
                 swaps.append({**swap, "wall_s": wall,
                               "router_s": wall - swap["stop_s"] - swap["start_s"]})
             post_json(routed + "/v1/load", {"model": "stamp"})
-            stamped = measure(direct, routed, "stamp", router.pid, args, stamped=True)
+            stamped = measure(direct("stamp"), routed, "stamp", router.pid, args, stamped=True)
         finally:
             stop(router)
     return {"simulator": simulator, "stamp": stamped, "swaps": swaps}

@@ -18,6 +18,8 @@ from vllmstack.router import engines
 from vllmstack.router.catalog import Catalog, Entry
 from vllmstack.router.engines import EngineManager, Loaded, LoadFailedError, RouterBusyError
 from vllmstack.router.limits import Limits
+from vllmstack.router.states import Adopted, Slept
+from vllmstack.runtime.gpu import GpuMemory
 
 
 def entry(name: str, ttl: float = 0.0) -> Entry:
@@ -39,7 +41,7 @@ class FakeLifecycle:
         self.aborted = threading.Event()
         self.lock = threading.Lock()
 
-    def load(self, entry: Entry) -> Loaded:
+    def load(self, entry: Entry, util: float | None = None, sleep_mode: bool = False) -> Loaded:
         with self.lock:
             self.calls.append(("load", entry.id))
             assert self.running is None, f"{entry.id} loaded while {self.running} runs"
@@ -59,10 +61,20 @@ class FakeLifecycle:
         self.calls.append(("abort", entry.id))
         self.aborted.set()
 
-    def adoptable(self, catalog: Catalog) -> Entry | None:
+    def adoptable(self, catalog: Catalog) -> list[Adopted]:
         if self.adopt is not None:
             self.running = self.adopt.id
-        return self.adopt
+            return [Adopted(self.adopt, self.adopt.url)]
+        return []
+
+    def sleep(self, entry: Entry) -> Slept:
+        raise AssertionError("one engine at a time never sleeps")
+
+    def wake(self, entry: Entry) -> float:
+        raise AssertionError("one engine at a time never wakes")
+
+    def memory(self) -> list[GpuMemory] | None:
+        return None
 
 
 def run(test: Callable[[], Awaitable[None]]) -> None:
@@ -82,7 +94,7 @@ def test_concurrent_requests_for_an_unloaded_model_share_one_load() -> None:
         assert fake.calls == [("load", "a")]
         assert (manager.inflight, manager.status["a"].state, manager.resident) == (5, "ready", A)
         for _ in range(5):
-            manager.release()
+            manager.release(A)
         assert manager.inflight == 0
         snap = manager.snapshot()
         assert (snap["loaded"], snap["state"], snap["queue"]) == ("a", "ready", 0)
@@ -101,13 +113,13 @@ def test_a_swap_unloads_first_and_waits_for_the_requests_in_flight() -> None:
         await asyncio.sleep(0.2)
         assert fake.calls == [("load", "a")] and not swap.done()  # b waits for a's request
         assert manager.snapshot()["queue"] == 1
-        manager.release()
+        manager.release(A)
         assert await swap == "http://127.0.0.1:1/b"  # once a's request ended (and the grace)
         assert fake.calls == [("load", "a"), ("unload", "a"), ("load", "b")]
         last = manager.swaps[-1]
         assert (last.unloaded, last.loaded, last.ok) == ("a", "b", True)
         assert last.stop_s >= 0.02 and last.start_s >= 0.05
-        manager.release()
+        manager.release(B)
 
     run(go)
 
@@ -123,13 +135,13 @@ def test_with_no_swap_wait_requests_are_served_in_arrival_order() -> None:
         fast = asyncio.create_task(manager.acquire(A, 5))  # no overtaking the queued swap
         await asyncio.sleep(0.05)
         assert not fast.done() and not swap.done()
-        manager.release()
+        manager.release(A)
         assert await swap == "http://127.0.0.1:1/b"
-        manager.release()
+        manager.release(B)
         assert await fast == "http://127.0.0.1:1/a"  # and back, in order
         assert fake.calls == [("load", "a"), ("unload", "a"), ("load", "b"), ("unload", "b"),
                               ("load", "a")]
-        manager.release()
+        manager.release(A)
 
     run(go)
 
@@ -184,12 +196,12 @@ def test_idle_ttl_unloads_only_when_no_request_runs(monkeypatch: pytest.MonkeyPa
         await manager.acquire(short, 5)
         await asyncio.sleep(0.5)  # a long request: the TTL waits for it
         assert manager.status["short"].state == "ready"
-        manager.release()
+        manager.release(short)
         await asyncio.sleep(0.5)
         assert manager.status["short"].state == "unloaded" and manager.resident is None
         assert fake.calls[-1] == ("unload", "short") and manager.swaps[-1].reason == "idle"
         await manager.acquire(never, 5)
-        manager.release()
+        manager.release(never)
         await asyncio.sleep(0.4)
         assert manager.status["never"].state == "ready"  # TTL 0: never unloaded
         idle.cancel()
@@ -203,7 +215,7 @@ def test_an_engine_gone_after_ready_is_unloaded_and_loaded_again() -> None:
     async def go() -> None:
         manager = EngineManager(catalog(A, B), fake)
         await manager.acquire(A, 5)
-        manager.release()
+        manager.release(A)
         manager.engine_gone(A, "connection refused")
         assert manager.status["a"].state == "failed"
         assert "stopped answering" in (manager.status["a"].error or {})["cause"]
@@ -236,7 +248,7 @@ def test_stop_unloads_the_resident_model() -> None:
     async def go() -> None:
         manager = EngineManager(catalog(A, B), fake)
         await manager.acquire(A, 5)
-        manager.release()
+        manager.release(A)
         await manager.shutdown()
         assert fake.calls == [("load", "a"), ("unload", "a")] and fake.running is None
         assert manager.status["a"].state == "unloaded"
@@ -251,10 +263,10 @@ def test_an_adopted_engine_serves_without_a_load() -> None:
 
     async def go() -> None:
         manager = EngineManager(catalog(A, B), fake, on_change=lambda: changes.append(1))
-        assert await manager.adopt() is B
+        assert await manager.adopt() == [B]
         assert await manager.acquire(B, 5) == "http://127.0.0.1:8180"
         assert fake.calls == [] and manager.snapshot()["adopted"] is True and changes
-        manager.release()
+        manager.release(B)
         await manager.shutdown()
         assert fake.calls == [("unload", "b")]
 
@@ -273,17 +285,17 @@ def test_a_swap_cuts_requests_that_outlast_the_drain_timeout() -> None:
 
         def cut(reason: str) -> None:  # what a request's Cut does: its handler ends and releases
             cuts.append(reason)
-            manager.unhold(cut)
-            asyncio.get_running_loop().call_soon(manager.release)
+            manager.unhold(A, cut)
+            asyncio.get_running_loop().call_soon(manager.release, A)
 
-        manager.hold(cut)
+        manager.hold(A, cut)
         started = time.monotonic()
         assert await manager.acquire(B, 5) == "http://127.0.0.1:1/b"
         assert 0.2 <= time.monotonic() - started < 2
         assert cuts == ["the router unloads a to load b"]
         assert fake.calls == [("load", "a"), ("unload", "a"), ("load", "b")]
         assert any("still running after 0.2 s (--drain-timeout): cutting them" in s for s in said)
-        manager.release()
+        manager.release(B)
 
     run(go)
 
@@ -294,13 +306,13 @@ def test_drain_timeout_zero_waits_for_ever() -> None:
     async def go() -> None:
         manager = EngineManager(catalog(A, B), fake, drain_timeout=0, limits=Limits(swap_wait=0))
         await manager.acquire(A, 5)
-        manager.hold(lambda reason: pytest.fail("cut with drain_timeout 0"))
+        manager.hold(A, lambda reason: pytest.fail("cut with drain_timeout 0"))
         swap = asyncio.create_task(manager.acquire(B, 5))
         await asyncio.sleep(0.5)
         assert not swap.done() and fake.calls == [("load", "a")]
-        manager._holders.clear()
-        manager.release()
+        manager.members["a"].holders.clear()
+        manager.release(A)
         assert await swap == "http://127.0.0.1:1/b"
-        manager.release()
+        manager.release(B)
 
     run(go)

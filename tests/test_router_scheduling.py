@@ -39,9 +39,10 @@ def test_interleaved_requests_for_two_models_do_not_swap_at_every_request() -> N
         manager = EngineManager(catalog(A, B), fake, limits=Limits(swap_wait=30, swap_grace=0.05))
 
         async def request(model: str) -> str:
-            url = await manager.acquire(A if model == "a" else B, 30)
+            chosen = A if model == "a" else B
+            url = await manager.acquire(chosen, 30)
             await asyncio.sleep(0.01)  # the engine answering
-            manager.release()
+            manager.release(chosen)
             return url
 
         urls = await asyncio.gather(*(request("ab"[i % 2]) for i in range(40)))
@@ -59,7 +60,7 @@ def test_a_request_for_another_model_waits_at_most_the_bound() -> None:
     async def go() -> None:
         manager = EngineManager(catalog(A, B), fake, limits=Limits(swap_wait=0.5, swap_grace=0.05))
         await manager.acquire(A, 5)
-        manager.release()
+        manager.release(A)
         stop = asyncio.Event()
 
         async def busy_a() -> int:
@@ -68,7 +69,7 @@ def test_a_request_for_another_model_waits_at_most_the_bound() -> None:
                 await manager.acquire(A, 30)
                 served += 1
                 await asyncio.sleep(0.02)
-                manager.release()
+                manager.release(A)
             return served
 
         clients = [asyncio.create_task(busy_a()) for _ in range(3)]
@@ -76,7 +77,7 @@ def test_a_request_for_another_model_waits_at_most_the_bound() -> None:
         began = time.monotonic()
         assert await manager.acquire(B, 30) == "http://127.0.0.1:1/b"
         waited = time.monotonic() - began
-        manager.release()
+        manager.release(B)
         stop.set()
         served = await asyncio.gather(*clients)
         assert 0.5 <= waited < 1.5, waited  # the bound, then the drain, the unload and the load
@@ -93,14 +94,14 @@ def test_a_dead_engine_is_found_before_a_request_reaches_it() -> None:
         manager = EngineManager(catalog(A, B), fake, limits=Limits(health_interval=0.2),
                                 probe=probe, say=said.append)
         await manager.acquire(A, 5)
-        manager.release()
+        manager.release(A)
         probe.alive = False  # the engine died while idle
         await asyncio.sleep(0.3)
         assert await manager.acquire(A, 5) == "http://127.0.0.1:1/a"
         # The request was granted only after the engine was loaded again.
         assert fake.calls == [("load", "a"), ("unload", "a"), ("load", "a")]
         assert any("its /health did not answer after a pause" in line for line in said), said
-        manager.release()
+        manager.release(A)
 
     run(go)
 
@@ -112,7 +113,7 @@ def test_an_idle_dead_engine_is_marked_failed_without_any_request() -> None:
         manager = EngineManager(catalog(A, B), fake, limits=Limits(health_interval=0.5),
                                 probe=probe)
         await manager.acquire(A, 5)
-        manager.release()
+        manager.release(A)
         watch = asyncio.create_task(manager.idle_loop())
         await asyncio.sleep(0.6)
         assert manager.status["a"].state == "ready" and probe.calls >= 1
@@ -132,7 +133,7 @@ def test_a_run_of_server_errors_reloads_the_engine() -> None:
     async def go() -> None:
         manager = EngineManager(catalog(A, B), fake, limits=Limits(error_run=3), probe=probe)
         await manager.acquire(A, 5)
-        manager.release()
+        manager.release(A)
         for status in (500, 503, 200, 500, 500):  # a 200 ends a run
             manager.answered(A, status)
         await asyncio.sleep(0.05)
@@ -145,7 +146,7 @@ def test_a_run_of_server_errors_reloads_the_engine() -> None:
         assert "its /health answers 200" in error["cause"]
         await manager.acquire(A, 5)
         assert fake.calls == [("load", "a"), ("unload", "a"), ("load", "a")]
-        manager.release()
+        manager.release(A)
 
     run(go)
 
@@ -157,7 +158,7 @@ def test_one_bad_answer_from_a_healthy_engine_does_not_reload_it() -> None:
     async def go() -> None:
         manager = EngineManager(catalog(A, B), fake, probe=probe)
         await manager.acquire(A, 5)
-        manager.release()
+        manager.release(A)
         assert await manager.upstream_failed(A, "ClientPayloadError: malformed chunk") is False
         assert manager.status["a"].state == "ready" and probe.calls == 1
         probe.alive = False

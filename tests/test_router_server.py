@@ -26,7 +26,9 @@ from vllmstack.router.engines import EngineManager, Loaded
 from vllmstack.router.front import Front
 from vllmstack.router.limits import Limits
 from vllmstack.router.server import RouterApp
+from vllmstack.router.states import Adopted, Slept
 from vllmstack.router.upstream import Upstream
+from vllmstack.runtime.gpu import GpuMemory
 
 
 class FakeEngine:
@@ -104,7 +106,7 @@ class FakeLifecycle:
     def __init__(self, url: str, fail: str = "") -> None:
         self.url, self.fail = url, fail
 
-    def load(self, entry: Entry) -> Loaded:
+    def load(self, entry: Entry, util: float | None = None, sleep_mode: bool = False) -> Loaded:
         if entry.id == self.fail:
             raise StackError("the engine exited with code 1: out of memory", "lower the context")
         return Loaded(self.url)
@@ -115,7 +117,16 @@ class FakeLifecycle:
     def abort(self, entry: Entry) -> None:
         pass
 
-    def adoptable(self, catalog: Catalog) -> Entry | None:
+    def adoptable(self, catalog: Catalog) -> list[Adopted]:
+        return []
+
+    def sleep(self, entry: Entry) -> Slept:
+        raise AssertionError("one engine at a time never sleeps")
+
+    def wake(self, entry: Entry) -> float:
+        raise AssertionError("one engine at a time never wakes")
+
+    def memory(self) -> list[GpuMemory] | None:
         return None
 
 
@@ -269,7 +280,7 @@ def test_an_unload_cuts_a_stream_that_outlasts_the_drain_timeout(engine: FakeEng
         read_until(sock, lambda d: d.count(b"data:") >= 2)
         started = time.monotonic()
         gone = requests.post(url + "/v1/unload", json={}, timeout=10).json()
-        assert gone == {"status": "success", "unloaded": "served"}
+        assert gone == {"status": "success", "unloaded": "served", "engines": ["served"]}
         assert 0.3 <= time.monotonic() - started < 5
         sock.settimeout(3)
         rest, _ = read_until(sock, lambda d: False)  # until the router closed the connection
@@ -316,9 +327,10 @@ def test_load_unload_and_health(routed: str) -> None:
     health = requests.get(routed + "/health", timeout=5).json()
     assert (health["loaded"], health["state"]) == ("served", "ready")
     other = requests.post(routed + "/v1/unload", json={"model": "bad"}, timeout=5).json()
-    assert other == {"status": "success", "unloaded": None, "message": "bad is not loaded"}
+    assert other == {"status": "success", "unloaded": None, "engines": [],
+                     "message": "bad is not loaded"}
     gone = requests.post(routed + "/v1/unload", json={}, timeout=5).json()
-    assert gone == {"status": "success", "unloaded": "served"}
+    assert gone == {"status": "success", "unloaded": "served", "engines": ["served"]}
     assert requests.get(routed + "/v1/health", timeout=5).json()["state"] == "unloaded"
     assert requests.post(routed + "/v1/load", json={"model": "x"}, timeout=5).status_code == 404
 

@@ -36,20 +36,28 @@ CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 
 
 def engine_processes(root: Path) -> list[int]:
-    """Live processes carrying this checkout's engine marker (every engine of the stack)."""
-    prefix = f"VLLMSTACK_ENGINE_ID={checkout_id(root)}-".encode()
+    """Live processes carrying this checkout's engine marker (every engine of the stack: the
+    default one, `<id>-...`, and the named ones the router runs, `<id>@NAME@...`)."""
+    prefixes = tuple(f"VLLMSTACK_ENGINE_ID={checkout_id(root)}{sep}".encode() for sep in "-@")
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            marked = any(e.startswith(prefix) for e in (entry / "environ").read_bytes().split(b"\0"))
+            marked = any(e.startswith(prefixes)
+                         for e in (entry / "environ").read_bytes().split(b"\0"))
             state = (entry / "stat").read_text().rpartition(")")[2].split()[0]
         except OSError:
             continue
         if marked and state not in ("Z", "X"):
             found.append(int(entry.name))
     return found
+
+
+def port_of(router: Router, model: str) -> int:
+    """The port of a model's own engine (one per profile on the native runtime)."""
+    url = router.health()["engines"][model]["url"] or ""
+    return int(url.rsplit(":", 1)[1])
 
 
 def served_models(port: int) -> list[str]:
@@ -103,6 +111,13 @@ class Router:
 def project(tmp_path: Path) -> Iterator[tuple[Path, int]]:
     engine_port = free_port()
     root = simulator_project(tmp_path / "stack", PROFILES, port=engine_port)
+    # Each engine has its own port (in the profile: .env's would win); sim-a's is engine_port.
+    dotenv = root / ".env"
+    dotenv.write_text("".join(line for line in dotenv.read_text().splitlines(keepends=True)
+                              if not line.startswith("VLLM_PORT=")))
+    for name in PROFILES:
+        with (root / "env" / "models" / f"{name}.env").open("a") as handle:
+            handle.write(f"VLLM_PORT={engine_port if name == 'sim-a' else free_port()}\n")
     yield root, engine_port
     # Whatever a test left running (a failed assertion mid-way) goes with the engine record.
     for pid in engine_processes(root):
@@ -158,7 +173,9 @@ def test_on_demand_load_then_a_swap_with_one_engine_at_any_moment(
         sampler.join()
     assert answer.status_code == 200 and answer.json()["model"] == "sim-b", answer.text
     assert max(counts) == 1 and 0 in counts, counts  # the old one was gone before the new started
-    assert served_models(engine_port) == ["sim-b"] and len(engine_processes(root)) == 1
+    assert served_models(port_of(router, "sim-b")) == ["sim-b"]
+    assert len(engine_processes(root)) == 1
+    assert health_status(f"http://127.0.0.1:{engine_port}") is None  # sim-a's engine is gone
     swap = router.health()["swaps"][-1]
     assert (swap["unloaded"], swap["loaded"], swap["ok"]) == ("sim-a", "sim-b", True)
     assert swap["stop_s"] > 0 and swap["start_s"] >= 1.5 and swap["boot_s"] >= 1.5

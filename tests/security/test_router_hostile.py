@@ -28,7 +28,9 @@ from vllmstack.router.engines import EngineManager, Loaded
 from vllmstack.router.front import Front
 from vllmstack.router.limits import Limits
 from vllmstack.router.server import RouterApp
+from vllmstack.router.states import Adopted, Slept
 from vllmstack.router.upstream import Upstream
+from vllmstack.runtime.gpu import GpuMemory
 
 LIMITS = Limits(max_head=4096, max_body=65536, max_json_depth=32, header_timeout=1.0,
                 keepalive_timeout=1.5, max_connections=40)
@@ -73,7 +75,7 @@ class Lifecycle:
     def __init__(self, url: str) -> None:
         self.url, self.unloads = url, 0
 
-    def load(self, entry: Entry) -> Loaded:
+    def load(self, entry: Entry, util: float | None = None, sleep_mode: bool = False) -> Loaded:
         return Loaded(self.url)
 
     def unload(self, entry: Entry) -> None:
@@ -82,7 +84,16 @@ class Lifecycle:
     def abort(self, entry: Entry) -> None:
         pass
 
-    def adoptable(self, catalog: Catalog) -> Entry | None:
+    def adoptable(self, catalog: Catalog) -> list[Adopted]:
+        return []
+
+    def sleep(self, entry: Entry) -> Slept:
+        raise AssertionError("one engine at a time never sleeps")
+
+    def wake(self, entry: Entry) -> float:
+        raise AssertionError("one engine at a time never wakes")
+
+    def memory(self) -> list[GpuMemory] | None:
         return None
 
 

@@ -56,6 +56,22 @@ Environment (all optional; an `SIM_*` value wins over the argv):
   SIM_LOOP_AFTER        token-loop: tokens before the output starts repeating (default 16)
   SIM_LOOP_NGRAM        token-loop: length of the repeated n-gram (default 4)
   SIM_VERSION           version reported by /version and the logs (default 0.27.1)
+  SIM_GPU_MEMORY_DIR    a folder standing in for the card (the stack's GPU_MEMORY_DIR): `total`
+                        holds its bytes; the engine claims --gpu-memory-utilization x total at
+                        boot in `PID.used` (refusing with vLLM's "Free memory on device" error
+                        when less is free, counting only live processes' files), holds the
+                        residue while asleep and removes the file when it exits
+  SIM_SLEEP_RESIDUE_MIB what a sleeping engine still holds (default 1300, as on an H200)
+  SIM_SLEEP_FAULT       keep-memory: a sleep returns 200 but frees nothing (ROCm before vLLM's
+                        2026 sleep fixes)
+  SIM_SLEEP_MS / SIM_FIRST_SLEEP_MS / SIM_WAKE_MS
+                        how long a sleep, the first sleep (pinned host buffers) and a wake take
+                        (defaults 50, 300, 50)
+
+Sleep mode (`--enable-sleep-mode`; the endpoints only with VLLM_SERVER_DEV_MODE=1, else 404):
+POST /sleep?level=N, POST /wake_up, GET /is_sleeping ({"is_sleeping": bool}, plus this
+simulator's own counts under "sim": sleeps, wakes, levels, requests_while_asleep). While asleep,
+/v1/chat/completions and /v1/completions answer 503 (counted), as vLLM's protected endpoints do.
 
 Pacing (absolute deadlines from the moment the request gets a slot, so errors do not add up):
   first token  = admit + SIM_TTFT_MS + computed_prompt_tokens / SIM_PREFILL_TPS + SIM_ROLE_DELAY_MS
@@ -192,6 +208,14 @@ class Config:
     loop_after: int = 16
     loop_ngram: int = 4
     version: str = DEFAULT_VERSION
+    sleep_mode: bool = False  # --enable-sleep-mode
+    dev_mode: bool = False  # VLLM_SERVER_DEV_MODE=1: /sleep, /wake_up, /is_sleeping exist
+    gpu_memory_dir: str = ""
+    sleep_residue_mib: float = 1300.0
+    sleep_fault: str = ""
+    sleep_ms: float = 50.0
+    first_sleep_ms: float = 300.0
+    wake_ms: float = 50.0
 
     @property
     def name(self) -> str:
@@ -231,6 +255,7 @@ _BOOL_FLAGS = {
     "kv-cache-metrics", "enable-mfu-metrics", "fail-on-environ-validation", "headless",
     "disable-fastapi-docs", "enable-prompt-tokens-details", "enable-server-load-tracking",
     "enable-force-include-usage", "disable-uvicorn-access-log", "skip-tokenizer-init",
+    "enable-sleep-mode",
 }
 _ALIASES = {"sc": "speculative-config", "tp": "tensor-parallel-size", "q": "quantization"}
 
@@ -401,6 +426,16 @@ def load_config(argv: Sequence[str], environ: dict[str, str]) -> Config:
     cfg.loop_after = _env_int(env, "SIM_LOOP_AFTER", cfg.loop_after)
     cfg.loop_ngram = _env_int(env, "SIM_LOOP_NGRAM", cfg.loop_ngram, minimum=1)
     cfg.version = env.get("SIM_VERSION", cfg.version) or cfg.version
+    cfg.sleep_mode = bool(flags.get("enable-sleep-mode"))
+    cfg.dev_mode = environ.get("VLLM_SERVER_DEV_MODE", "") == "1"
+    cfg.gpu_memory_dir = env.get("SIM_GPU_MEMORY_DIR", "")
+    cfg.sleep_residue_mib = _env_float(env, "SIM_SLEEP_RESIDUE_MIB", cfg.sleep_residue_mib)
+    cfg.sleep_fault = env.get("SIM_SLEEP_FAULT", "").strip()
+    if cfg.sleep_fault not in ("", "keep-memory"):
+        raise ConfigError(f"SIM_SLEEP_FAULT={cfg.sleep_fault!r} is not keep-memory")
+    cfg.sleep_ms = _env_float(env, "SIM_SLEEP_MS", cfg.sleep_ms)
+    cfg.first_sleep_ms = _env_float(env, "SIM_FIRST_SLEEP_MS", cfg.first_sleep_ms)
+    cfg.wake_ms = _env_float(env, "SIM_WAKE_MS", cfg.wake_ms)
     return cfg
 
 
@@ -726,6 +761,7 @@ class Metrics:
     """The families vLLM 0.27.1 exposes, in its order, counting what this server really did."""
 
     def __init__(self, cfg: Config) -> None:
+        self.sleep_state = "awake"  # vllm:engine_sleep_state's label that reads 1
         self.cfg = cfg
         self.lock = threading.Lock()
         self.base = {"engine": "0", "model_name": cfg.name}
@@ -949,8 +985,10 @@ class Metrics:
                     self._key({**self.base, "reason": "capacity"}): float(self.waiting),
                     self._key({**self.base, "reason": "deferred"}): 0.0},
                 "vllm:engine_sleep_state": {
-                    self._key({**self.base, "sleep_state": "awake"}): 1.0,
-                    self._key({**self.base, "sleep_state": "weights_offloaded"}): 0.0,
+                    self._key({**self.base, "sleep_state": "awake"}):
+                        float(self.sleep_state == "awake"),
+                    self._key({**self.base, "sleep_state": "weights_offloaded"}):
+                        float(self.sleep_state == "weights_offloaded"),
                     self._key({**self.base, "sleep_state": "discard_all"}): 0.0},
                 "vllm:kv_cache_usage_perc": {
                     self._key(self.base): min(1.0, self.kv_blocks_used / blocks_total)},
@@ -1469,6 +1507,8 @@ class Handler(BaseHTTPRequestHandler):
         self.status = 0
         path = self.path.split("?", 1)[0]
         routes: dict[str, dict[str, Callable[[], None]]] = {
+            **({"/sleep": {"POST": self.post_sleep}, "/wake_up": {"POST": self.post_wake},
+                "/is_sleeping": {"GET": self.get_is_sleeping}} if sim.cfg.dev_mode else {}),
             "/health": {"GET": self.get_health},
             "/ping": {"GET": self.get_health, "POST": self.get_health},
             "/load": {"GET": self.get_load},
@@ -1485,7 +1525,13 @@ class Handler(BaseHTTPRequestHandler):
             with sim.engine.cond:
                 sim.engine.in_flight += 1
         try:
-            if handlers is None:
+            if generating and sim.sleep.asleep:
+                sim.sleep.while_asleep += 1
+                sim.log.api("WARNING", "api_server.py:1051",
+                            f"a request reached {path} while the engine sleeps")
+                self.send_json(503, error_body("The engine is sleeping; wake it up first.",
+                                               "ServiceUnavailableError", None, 503))
+            elif handlers is None:
                 self.send_json(404, {"detail": "Not Found"})
             elif method == "HEAD" and "GET" in handlers:
                 handlers["GET"]()
@@ -1514,6 +1560,33 @@ class Handler(BaseHTTPRequestHandler):
             if handlers is not None and self.status:
                 sim.metrics.observe_http(path, method, self.status, self.request_size,
                                          self.response_size, time.monotonic() - started)
+
+    # -- sleep mode
+
+    def post_sleep(self) -> None:
+        sim = self.server.sim
+        query = self.path.partition("?")[2]
+        level = next((int(v) for k, _, v in (p.partition("=") for p in query.split("&"))
+                      if k == "level" and v.isdigit()), 1)
+        if not sim.cfg.sleep_mode:
+            raise ApiError(400, error_body("Sleep mode is not enabled (--enable-sleep-mode)",
+                                           "BadRequestError", None, 400))
+        sim.sleep.go_to_sleep(level)
+        self.send_body(200, b"")
+
+    def post_wake(self) -> None:
+        sim = self.server.sim
+        if not sim.cfg.sleep_mode:
+            raise ApiError(400, error_body("Sleep mode is not enabled (--enable-sleep-mode)",
+                                           "BadRequestError", None, 400))
+        sim.sleep.wake_up()
+        self.send_body(200, b"")
+
+    def get_is_sleeping(self) -> None:
+        state = self.server.sim.sleep
+        self.send_json(200, {"is_sleeping": state.asleep, "sim": {
+            "sleeps": state.sleeps, "wakes": state.wakes, "levels": state.levels,
+            "requests_while_asleep": state.while_asleep}})
 
     # -- simple endpoints
 
@@ -1933,6 +2006,96 @@ def chat_delta(step: list[Piece], tool: ToolCall | None) -> dict[str, Any]:
 # the process
 
 
+class SleepState:
+    """Sleep mode and the stand-in card (SIM_GPU_MEMORY_DIR): what this engine holds there."""
+
+    def __init__(self, cfg: Config, log: Log, metrics: Metrics) -> None:
+        self.cfg, self.log, self.metrics = cfg, log, metrics
+        self.asleep = False
+        self.sleeps = self.wakes = self.while_asleep = 0
+        self.levels: list[int] = []
+        self.lock = threading.Lock()
+        self.total = 0
+        self.budget = 0
+
+    def _path(self) -> str:
+        return os.path.join(self.cfg.gpu_memory_dir, f"{os.getpid()}.used")
+
+    def _hold(self, held: int) -> None:
+        if not self.cfg.gpu_memory_dir:
+            return
+        temp = self._path() + ".tmp"
+        with open(temp, "w") as handle:
+            handle.write(f"{held}\n")
+        os.replace(temp, self._path())
+
+    def claim(self) -> bool:
+        """At boot: take --gpu-memory-utilization of the stand-in card, as vLLM does, or refuse
+        with vLLM's error when less than that is free."""
+        folder = self.cfg.gpu_memory_dir
+        if not folder:
+            return True
+        with open(os.path.join(folder, "total")) as handle:
+            self.total = int(handle.read().split()[0])
+        others = 0
+        for name in os.listdir(folder):
+            pid = name.removesuffix(".used")
+            if not name.endswith(".used") or not pid.isdigit() or int(pid) == os.getpid():
+                continue
+            try:
+                with open(f"/proc/{pid}/stat") as stat:
+                    if stat.read().rpartition(")")[2].split()[0] in ("Z", "X"):
+                        continue
+                with open(os.path.join(folder, name)) as handle:
+                    others += int(handle.read().split()[0])
+            except (OSError, ValueError, IndexError):
+                continue
+        free = self.total - others
+        self.budget = -(-int(self.total * self.cfg.gpu_memory_utilization) // 1)
+        if free < self.budget:
+            gib = 1024**3
+            self.log.core("ERROR", "core.py:1349", "EngineCore failed to start.")
+            self.log.core("ERROR", "core.py:1349", (
+                f"ValueError: Free memory on device cuda:0 ({free / gib:.2f}/"
+                f"{self.total / gib:.2f} GiB) on startup is less than desired GPU memory "
+                f"utilization ({self.cfg.gpu_memory_utilization}, {self.budget / gib:.2f} GiB). "
+                "Decrease GPU memory utilization or reduce GPU memory used by other processes."))
+            self.log.raw(f"(APIServer pid={self.log.pid}) {CORE_FAILED_TEXT}", sys.stderr)
+            return False
+        self._hold(self.budget)
+        return True
+
+    def go_to_sleep(self, level: int) -> None:
+        with self.lock:
+            first = self.sleeps == 0
+            time.sleep((self.cfg.first_sleep_ms if first else self.cfg.sleep_ms) / 1000)
+            self.sleeps += 1
+            self.levels.append(level)
+            self.asleep = True
+            self.metrics.sleep_state = "weights_offloaded"
+            residue = int(self.cfg.sleep_residue_mib * 1024**2)
+            kept = self.budget if self.cfg.sleep_fault == "keep-memory" else min(residue,
+                                                                                  self.budget)
+            self._hold(kept)
+            freed = (self.budget - kept) / 1024**3
+            self.log.api("INFO", "cumem.py:263", f"CuMemAllocator: sleep freed {freed:.2f} GiB "
+                         "memory in total, of which 0.93 GiB is backed up in CPU and the rest of "
+                         f"{freed - 0.93:.2f} GiB is discarded directly.")
+
+    def wake_up(self) -> None:
+        with self.lock:
+            time.sleep(self.cfg.wake_ms / 1000)
+            self.wakes += 1
+            self.asleep = False
+            self.metrics.sleep_state = "awake"
+            self._hold(self.budget)
+
+    def release(self) -> None:
+        if self.cfg.gpu_memory_dir:
+            with contextlib.suppress(OSError):
+                os.unlink(self._path())
+
+
 class Simulator:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -1945,6 +2108,7 @@ class Simulator:
         self._rand = random.Random()
         self._rand_lock = threading.Lock()
         self.server: Server | None = None
+        self.sleep = SleepState(cfg, self.log, self.metrics)
 
     def random_hex(self) -> str:
         with self._rand_lock:
@@ -2074,6 +2238,7 @@ class Simulator:
         log.uvicorn("Application shutdown complete.")
         sys.stdout.flush()
         sys.stderr.flush()
+        self.sleep.release()
         # os._exit: streaming threads may be mid-sleep; a prompt exit is what Compose needs.
         os._exit(0)
 
@@ -2094,6 +2259,8 @@ class Simulator:
         if cfg.fault == "hang":
             while True:
                 time.sleep(3600)
+        if not self.sleep.claim():
+            return 1
         self.log_engine_ready()
         server.server_activate()
         if cfg.fault == "die-after":

@@ -47,6 +47,7 @@ from vllmstack.checks.profile import (
     rule_required,
 )
 from vllmstack.checks.rocm import rule_rocm
+from vllmstack.checks.router import rule_router_swap
 from vllmstack.checks.scheduler import rule_scheduler, rule_spec_decode
 from vllmstack.checks.template import rule_chat_template
 from vllmstack.checks.tuned_configs import rule_tuned_configs
@@ -88,6 +89,7 @@ RULES: tuple[Rule, ...] = (
     rule_rocm,
     rule_pins,
     rule_overlays,
+    rule_router_swap,
 )
 ENGINES = (VLLM, LLAMACPP)
 _VLLM = (VLLM,)

@@ -11,7 +11,7 @@ from invoke.context import Context
 
 from vllmstack.cli.common import JSON_HELP, Opt, Sets, print_json, project_here
 from vllmstack.cli.task import exit_with, stack_task
-from vllmstack.cli.values import ENGINE_PROFILE, PATH
+from vllmstack.cli.values import ENGINE_PROFILE, PATH, choice
 from vllmstack.core.errors import StackError
 
 
@@ -75,7 +75,7 @@ def burn(c: Context, profiles: Opt = None, runs: int = 5, warmup: int = 2, max_t
     exit_with(1 if result.failed else 0)
 
 
-@stack_task(values={"token_file": PATH}, help={
+@stack_task(values={"token_file": PATH, "swap": choice(("auto", "sleep", "restart"))}, help={
     **FLEET_HELP,
     "host": "address to listen on (default 127.0.0.1; beyond loopback a token is required)",
     "port": "port to listen on (default 8080)",
@@ -85,19 +85,26 @@ def burn(c: Context, profiles: Opt = None, runs: int = 5, warmup: int = 2, max_t
                   "from the environment or .env; never on the command line, where ps shows it)",
     "load_timeout": "seconds a request waits for its model to load",
     "drain_timeout": "seconds a swap waits for the old model's requests before it "
-                     "cuts them (0: for ever; default 600)"})
+                     "cuts them (0: for ever; default 600)",
+    "swap": "auto, sleep (keep loaded vLLM engines asleep, wake in about a second) or restart "
+            "(default: ROUTER_SWAP)",
+    "plan": "print the memory plan for the platform's profiles and start nothing"})
 def router(c: Context, host: str = "127.0.0.1", port: int = 8080, platform: Opt = None,
            ttl: float | None = None, profiles: Opt = None, token_file: Opt = None,
            runtime: Opt = None, load_timeout: float | None = None,
-           drain_timeout: float | None = None) -> None:
-    """One OpenAI endpoint for every profile: loads the model a request names, one at a time."""
+           drain_timeout: float | None = None, swap: Opt = None, plan: bool = False) -> None:
+    """One OpenAI endpoint for every profile: loads the model a request names, swaps by sleep or restart."""
     from vllmstack.router.options import TOKEN_VAR
-    from vllmstack.router.service import run_router
+    from vllmstack.router.service import run_router, show_plan
 
     chosen = [p.strip() for p in (profiles or "").split(",") if p.strip()]
+    if plan:
+        exit_with(show_plan(project_here(), os.environ, out=sys.stdout, platform=platform,
+                            profiles=chosen, router_port=port, runtime=runtime, swap=swap))
+        return
     environ = dict(os.environ)
     # Read once, then out of this process's environment: nothing the router starts inherits it.
     os.environ.pop(TOKEN_VAR, None)
     exit_with(run_router(project_here(), environ, host=host, port=port, platform=platform,
                          ttl=ttl, profiles=chosen, token_file=token_file, runtime=runtime,
-                         load_timeout=load_timeout, drain_timeout=drain_timeout))
+                         load_timeout=load_timeout, drain_timeout=drain_timeout, swap=swap))

@@ -1,5 +1,5 @@
 """`python -m vllmstack.router [--host H] [--port P] [--platform P] [--ttl S] [--profiles a,b]
-[--load-timeout S] [--drain-timeout S] [--token-file FILE]`.
+[--load-timeout S] [--drain-timeout S] [--token-file FILE] [--swap auto|sleep|restart] [--plan]`.
 
 `invoke router` and this entry point both end in `run_router`; this one serves a checkout
 without invoke (a systemd unit, the tests, the benchmark). Values arrive as text and are checked
@@ -18,8 +18,9 @@ from pathlib import Path
 
 from vllmstack.core.errors import StackError
 from vllmstack.core.paths import Project
+from vllmstack.router import options
 from vllmstack.router.options import TOKEN_VAR
-from vllmstack.router.service import DEFAULT_HOST, DEFAULT_PORT, run_router
+from vllmstack.router.service import DEFAULT_HOST, DEFAULT_PORT, run_router, show_plan
 
 
 def main(argv: Sequence[str]) -> int:
@@ -42,6 +43,10 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--drain-timeout", default=None,
                         help="seconds a swap waits for the old model's requests before it cuts "
                              "them (0: for ever; default 600)")
+    parser.add_argument("--swap", default=None,
+                        help="auto, sleep or restart: how a swap is done (default: ROUTER_SWAP)")
+    parser.add_argument("--plan", action="store_true",
+                        help="print the memory plan for the platform's profiles; start nothing")
     parser.add_argument("--token-file", default=None,
                         help=f"a file holding the token clients must send (default: {TOKEN_VAR})")
     args = parser.parse_args(list(argv))
@@ -49,11 +54,17 @@ def main(argv: Sequence[str]) -> int:
     os.environ.pop(TOKEN_VAR, None)
     try:
         project = Project(args.project.resolve()) if args.project else Project.find()
+        profiles = [p.strip() for p in args.profiles.split(",") if p.strip()]
+        if args.plan:
+            return show_plan(project, environ, out=sys.stdout, platform=args.platform,
+                             profiles=profiles, router_port=options.port(args.port),
+                             runtime=args.runtime, swap=options.swap(args.swap))
         return run_router(project, environ, host=args.host, port=args.port,
                           platform=args.platform, ttl=args.ttl,
                           profiles=[p.strip() for p in args.profiles.split(",") if p.strip()],
                           runtime=args.runtime, load_timeout=args.load_timeout,
-                          drain_timeout=args.drain_timeout, token_file=args.token_file)
+                          drain_timeout=args.drain_timeout, token_file=args.token_file,
+                          swap=args.swap)
     except StackError as exc:
         print(exc.render(), file=sys.stderr)
         return 1

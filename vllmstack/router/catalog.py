@@ -5,18 +5,26 @@ named with --profiles) is resolved with the stack's one resolver, so a load runs
 --model NAME` would run. Clients name a model by its served name (VLLM_SERVED_NAME, what the
 engine answers to); the profile's own name is accepted as an alias. The router never starts
 anything that is not an entry here.
+
+Where several engines run side by side (the native runtime: `several`), each profile gets an
+engine of its own (`slot`, its name in the checkout) on a port of its own: its VLLM_PORT, or the
+next free one up when an earlier profile has it; every engine listens on loopback only (the
+router is the door; a sleep-mode engine's dev endpoints must not be reachable), and the pool's
+ports leave OTHER_ENGINE_PORTS, so the router's own engines never count as another engine.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from vllmstack.config.profiles import MODEL_DIR, Resolved, available, resolve
+from vllmstack.core.checkout import engine_name as checkout_engine_name
 from vllmstack.core.errors import StackError
 from vllmstack.core.paths import Project
 
 VLLM = "vllm"
+LOOPBACK = "127.0.0.1"
 
 
 class CatalogError(StackError):
@@ -32,6 +40,7 @@ class Entry:
     engine: str  # "vllm" or "llamacpp" (ENGINE)
     resolved: Resolved
     ttl: float  # idle seconds before it is unloaded; 0 = never
+    slot: str = ""  # its engine's name in the checkout ("": the default engine, one at a time)
 
     @property
     def url(self) -> str:
@@ -48,6 +57,7 @@ class Catalog:
     platform: str
     entries: dict[str, Entry]  # by served name, in profile order
     aliases: dict[str, str]  # profile name -> served name, where they differ
+    notes: list[str] = field(default_factory=list)  # what the router changed, to say at start
 
     @property
     def ids(self) -> list[str]:
@@ -71,10 +81,12 @@ def engine_name(resolved: Resolved) -> str:
 
 def build_catalog(project: Project, environ: Mapping[str, str], *, platform: str | None = None,
                   profiles: Sequence[str] = (), ttl: float | None = None,
-                  router_port: int | None = None, overrides: Sequence[str] = ()) -> Catalog:
+                  router_port: int | None = None, overrides: Sequence[str] = (),
+                  several: bool = False) -> Catalog:
     """Resolve the router's profiles. `ttl` (--ttl) overrides every profile's IDLE_TTL;
     `router_port` is taken out of OTHER_ENGINE_PORTS (the router answers there, and `up`'s guard
-    would otherwise take it for another engine holding the GPU)."""
+    would otherwise take it for another engine holding the GPU). `several`: one named engine per
+    profile, each on its own loopback port (see the module's doc)."""
     known = available(project, MODEL_DIR)
     unknown = [name for name in profiles if name not in known]
     if unknown:
@@ -114,7 +126,41 @@ def build_catalog(project: Project, environ: Mapping[str, str], *, platform: str
                                 float(ttl if ttl is not None else resolved.get_int("IDLE_TTL")))
     aliases = {e.profile: e.id for e in entries.values()
                if e.profile != e.id and e.profile not in entries}
-    return Catalog(platform_name, entries, aliases)
+    catalog = Catalog(platform_name, entries, aliases)
+    if several:
+        _own_engines(project, environ, platform, overrides, router_port, catalog)
+    return catalog
+
+
+def _own_engines(project: Project, environ: Mapping[str, str], platform: str | None,
+                 overrides: Sequence[str], router_port: int | None, catalog: Catalog) -> None:
+    """Give every entry its engine name, its own port and a loopback bind (resolved again with
+    those as --set overrides, so state.json records them and `status` finds each engine)."""
+    taken = {router_port} if router_port is not None else set()
+    ports: dict[str, int] = {}
+    for entry in catalog.entries.values():
+        port = entry.resolved.get_int("VLLM_PORT")
+        while port in taken and port < 65535:
+            port += 1
+        taken.add(port)
+        ports[entry.id] = port
+    for entry in list(catalog.entries.values()):
+        own = ports[entry.id]
+        rest = [p for p in entry.resolved.get_list("OTHER_ENGINE_PORTS")
+                if not (p.isdigit() and int(p) in taken)]
+        bind = entry.resolved.get_str("VLLM_BIND")
+        if bind != LOOPBACK:
+            catalog.notes.append(
+                f"{entry.id}: its engine listens on {LOOPBACK}, not VLLM_BIND={bind} (set at "
+                f"{entry.resolved.source('VLLM_BIND')}): clients reach it through the router")
+        if own != entry.resolved.get_int("VLLM_PORT"):
+            catalog.notes.append(f"{entry.id}: its engine listens on port {own} (VLLM_PORT "
+                                 f"{entry.resolved.get_int('VLLM_PORT')} is another profile's)")
+        resolved = resolve(project, platform=platform, model=entry.profile, environ=environ,
+                           overrides=[*overrides, f"VLLM_PORT={own}", f"VLLM_BIND={LOOPBACK}",
+                                      f"OTHER_ENGINE_PORTS={','.join(rest) or ','}"])
+        catalog.entries[entry.id] = replace(entry, resolved=resolved,
+                                            slot=checkout_engine_name(entry.profile))
 
 
 def _resolve(project: Project, environ: Mapping[str, str], platform: str | None, model: str,

@@ -47,6 +47,19 @@ def seconds(flag: str, value: float | str | None, *, zero_means: str | None = No
     return number
 
 
+SWAP_MODES = ("auto", "sleep", "restart")
+
+
+def swap(value: str | None) -> str | None:
+    """--swap: how a swap is done (None: ROUTER_SWAP)."""
+    if value is None or value == "":
+        return None
+    if value not in SWAP_MODES:
+        raise RouterError(f"--swap {value[:60]!r} is not a swap mode",
+                          f"give --swap one of {', '.join(SWAP_MODES)}")
+    return value
+
+
 def port(value: int | str) -> int:
     text = str(value).strip()
     if not re.fullmatch(r"[0-9]{1,5}", text) or not 1 <= int(text) <= 65535:

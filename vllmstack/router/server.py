@@ -1,14 +1,15 @@
 """The router's endpoints: an OpenAI front routed by `model`, and the lifecycle API.
 
-    GET  /v1/models             every catalog entry: id, object, owned_by (the engine), state,
-                                and the diagnosis (`error`) when its last load failed
+    GET  /v1/models             every catalog entry: id, object, owned_by (the engine), state
+                                (ready, asleep, loading, waking, ...), and the diagnosis
+                                (`error`) when its last load failed
     GET  /v1/health, /health    {"status", "loaded", "state"} plus the queue, in-flight requests,
                                 every model's state and the recent swaps
     POST /v1/chat/completions, /v1/completions, /v1/embeddings
                                 load the body's `model` if needed, then forward (streams pass
                                 through as they come)
     POST /v1/load, /v1/unload   {"model": ID} or {"model_name": ID}; unload without a model
-                                unloads whatever is resident
+                                stops every engine, awake or asleep
 
 Nothing else is routed: every other path is 404, whatever the engine would answer there (its
 dev-mode endpoints /sleep, /wake_up, /collective_rpc, /reset_prefix_cache among them). Paths are
@@ -226,7 +227,7 @@ class RouterApp:
             except (LoadFailedError, RouterBusyError) as exc:
                 return self.failed(entry, exc)
             cut = Cut(task=asyncio.current_task(), transport=request.transport)
-            self.manager.hold(cut)
+            self.manager.hold(entry, cut)
             try:
                 return await self.forward(request, entry, url + target, headers, body, cut,
                                           retry=attempt == 1)
@@ -234,8 +235,8 @@ class RouterApp:
                 continue
             finally:
                 cut.done = True
-                self.manager.unhold(cut)
-                self.manager.release()
+                self.manager.unhold(entry, cut)
+                self.manager.release(entry)
         raise AssertionError("unreachable: the second attempt never retries")
 
     async def forward(self, request: web.BaseRequest, entry: Entry, url: str, headers: Any,
@@ -314,19 +315,23 @@ class RouterApp:
             data = parse_body(body, self.limits, empty={})
         except BodyError as exc:
             return refuse(exc.status, exc.message)
-        if data != {}:  # {} unloads whatever is resident; anything else must name a model
-            entry = self.entry_for(data, strict=True)
-            if isinstance(entry, web.Response):
-                return entry
-            if self.manager.resident is not entry:
-                return reply(200, {"status": "success", "unloaded": None,
+        entry: Entry | None = None
+        if data != {}:  # {} unloads every engine, awake or asleep; else it must name a model
+            found = self.entry_for(data, strict=True)
+            if isinstance(found, web.Response):
+                return found
+            entry = found
+            if not self.manager.member(entry).started:
+                return reply(200, {"status": "success", "unloaded": None, "engines": [],
                                    "message": f"{entry.id} is not loaded"})
         try:
-            gone = await self.manager.unload(DOWN_TIMEOUT_S + 60)
+            gone = await self.manager.unload(DOWN_TIMEOUT_S + 60, entry=entry)
         except RouterBusyError as exc:
             return refuse(503, exc.cause)
-        if gone is not None and self.manager.status[gone.id].state != "unloaded":
-            error = self.manager.status[gone.id].error or {}
-            return refuse(503, f"{gone.id} could not be unloaded: {error.get('cause')}",
-                          diagnosis=error)
-        return reply(200, {"status": "success", "unloaded": gone.id if gone else None})
+        for each in gone:
+            if self.manager.status[each.id].state != "unloaded":
+                error = self.manager.status[each.id].error or {}
+                return refuse(503, f"{each.id} could not be unloaded: {error.get('cause')}",
+                              diagnosis=error)
+        return reply(200, {"status": "success", "unloaded": gone[0].id if gone else None,
+                           "engines": [e.id for e in gone]})

@@ -1,12 +1,13 @@
 """`invoke router`: run the router in the foreground until SIGTERM, SIGINT or SIGHUP.
 
 Start: take the checkout's router lock (one router per checkout); check the options; refuse to
-listen beyond loopback without a token; build the catalog and read the ROUTER_* limits; raise
-the open-file limit to fit the connection cap; adopt a healthy engine of one of its profiles
-that already runs (generated/state.json); listen. Stop (any of the three signals: closing the
-terminal is SIGHUP): stop accepting, end every stream in flight with an error event, close the
-client connections, then stop the engine the router started or adopted and wait for its memory
-to be released, so no engine outlives the router.
+listen beyond loopback without a token; build the catalog (one engine per profile where the
+runtime runs several: native) and the memory plan (router.memory), read the ROUTER_* limits;
+raise the open-file limit to fit the connection cap; adopt the healthy engines of its profiles
+that already run (their state files), awake or asleep; listen. Stop (any of the three signals:
+closing the terminal is SIGHUP): stop accepting, end every stream in flight with an error
+event, close the client connections, then stop every engine the router started or adopted,
+awake or asleep, and wait for their memory to be released, so no engine outlives the router.
 """
 
 from __future__ import annotations
@@ -33,11 +34,16 @@ from vllmstack.router.catalog import Catalog, build_catalog
 from vllmstack.router.engines import DRAIN_TIMEOUT_S, EngineManager, Lifecycle
 from vllmstack.router.front import Front
 from vllmstack.router.limits import Limits, read_limits
+from vllmstack.router.memory import build_plan, render_plan
 from vllmstack.router.options import TOKEN_VAR, RouterError
+from vllmstack.router.plan import SLEEP, Plan, write_store
 from vllmstack.router.record import identity, remove_record, router_lock, write_record
 from vllmstack.router.server import RouterApp
 from vllmstack.router.stacks import ROUTER_DIR, StackLifecycle
 from vllmstack.router.upstream import Upstream
+from vllmstack.runtime.gpu import probe_for
+from vllmstack.runtime.select import requested_runtime, runs_several
+from vllmstack.serve.state import StateError, read_state
 
 DEFAULT_HOST = "127.0.0.1"
 # llama-swap's port, where OpenAI clients of a local swapper already point.
@@ -53,21 +59,23 @@ def run_router(project: Project, environ: Mapping[str, str], *, host: str = DEFA
                token: str | None = None, token_file: str | Path | None = None,
                out: TextIO | None = None, runner: Runner | None = None, runtime: str | None = None,
                load_timeout: float | str | None = None, drain_timeout: float | str | None = None,
-               lifecycle: Lifecycle | None = None) -> int:
+               lifecycle: Lifecycle | None = None, swap: str | None = None) -> int:
     """Serve until a stop signal; 0 after a clean stop. The token: `token_file`, else
     ROUTER_TOKEN from `environ`, else from .env (`token` only for callers in this process).
     `ttl` (seconds, 0 = never) overrides every profile's IDLE_TTL; `load_timeout` bounds how long
     a request waits for its model (default: the profile's UP_TIMEOUT plus the previous engine's
     stop); `drain_timeout` how long a swap waits for the old model's requests before it cuts
-    them (0 = for ever)."""
+    them (0 = for ever); `swap` (--swap) overrides ROUTER_SWAP."""
     out = out or sys.stdout
     port = options.port(port)
     ttl = options.seconds("--ttl", ttl, zero_means="never unload")
     load_timeout = options.seconds("--load-timeout", load_timeout)
     drain = options.seconds("--drain-timeout", drain_timeout, zero_means="wait for ever")
+    swap = options.swap(swap)
     with router_lock(project):
-        catalog = build_catalog(project, environ, platform=platform, profiles=profiles, ttl=ttl,
-                                router_port=port)
+        catalog, plan = plan_router(project, environ, platform=platform, profiles=profiles,
+                                    ttl=ttl, router_port=port, runtime=runtime, swap=swap,
+                                    runner=runner)
         first = next(iter(catalog.entries.values())).resolved
         limits = read_limits(first)
         token = options.choose_token(token, token_file, environ, first.get_raw(TOKEN_VAR))
@@ -82,14 +90,62 @@ def run_router(project: Project, environ: Mapping[str, str], *, host: str = DEFA
         limits = fit_open_files(limits, say)
         # The token is the router's: the engines it starts never see it.
         engine_environ = {k: v for k, v in environ.items() if k != TOKEN_VAR}
+        for note in catalog.notes + plan.notes:
+            say(f"note: {note}")
         lifecycle = lifecycle or StackLifecycle(project, engine_environ,
                                                 runner or SubprocessRunner(), say=say,
-                                                runtime=runtime)
+                                                runtime=runtime, catalog=catalog)
         with asyncio.Runner(loop_factory=loop_factory()) as loop_runner:
             return loop_runner.run(_serve(
                 project, catalog, lifecycle, host=host, port=port, token=token,
-                load_timeout=load_timeout, say=say, limits=limits,
+                load_timeout=load_timeout, say=say, limits=limits, plan=plan,
                 drain_timeout=DRAIN_TIMEOUT_S if drain is None else drain))
+
+
+def plan_router(project: Project, environ: Mapping[str, str], *, platform: str | None = None,
+                profiles: Sequence[str] = (), ttl: float | None = None,
+                router_port: int | None = None, runtime: str | None = None,
+                swap: str | None = None, runner: Runner | None = None) -> tuple[Catalog, Plan]:
+    """The catalog and its memory plan (nothing is started): one engine per profile where the
+    runtime runs several side by side (native), else one at a time; ROUTER_SWAP=sleep (or
+    --swap sleep) where it cannot is refused."""
+    catalog = build_catalog(project, environ, platform=platform, profiles=profiles, ttl=ttl,
+                            router_port=router_port)
+    first = next(iter(catalog.entries.values())).resolved
+    try:
+        previous = read_state(project) or {}
+    except StateError:
+        previous = {}
+    requested = requested_runtime(first, runtime, previous)
+    several = runs_several(requested)
+    setting = swap or first.get_str("ROUTER_SWAP")
+    if setting == SLEEP and not several:
+        raise RouterError(
+            f"ROUTER_SWAP=sleep keeps several engines loaded side by side, which the {requested} "
+            "runtime does not run (one engine per checkout): sleep mode is native-only for now",
+            "run the router on the native runtime (--runtime native, or RUNTIME=native), or "
+            "use --swap restart")
+    if several:
+        catalog = build_catalog(project, environ, platform=platform, profiles=profiles, ttl=ttl,
+                                router_port=router_port, several=True)
+        first = next(iter(catalog.entries.values())).resolved
+    probe = probe_for(first.get_str("GPU_VENDOR"), runner or SubprocessRunner(),
+                      unified_memory=first.get_bool("UNIFIED_MEMORY"),
+                      standin=first.get_str("GPU_MEMORY_DIR"))
+    plan = build_plan(project, catalog, environ, setting=setting, several=several,
+                      cards=probe.memory())
+    return catalog, plan
+
+
+def show_plan(project: Project, environ: Mapping[str, str], *, out: TextIO,
+              platform: str | None = None, profiles: Sequence[str] = (),
+              router_port: int | None = None, runtime: str | None = None,
+              swap: str | None = None) -> int:
+    """`invoke router --plan`: the plan for the platform's profiles; nothing is started."""
+    catalog, plan = plan_router(project, environ, platform=platform, profiles=profiles,
+                                router_port=router_port, runtime=runtime, swap=options.swap(swap))
+    print(render_plan(plan, catalog), file=out)
+    return 0
 
 
 def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -148,7 +204,8 @@ def local_url(host: str, port: int) -> str:
 
 async def _serve(project: Project, catalog: Catalog, lifecycle: Lifecycle, *, host: str, port: int,
                  token: str, load_timeout: float | None, say: Callable[[str], None],
-                 limits: Limits, drain_timeout: float = DRAIN_TIMEOUT_S) -> int:
+                 limits: Limits, drain_timeout: float = DRAIN_TIMEOUT_S,
+                 plan: Plan | None = None) -> int:
     loop = asyncio.get_running_loop()
     url = local_url(host, port)
     started = time.time()
@@ -163,7 +220,9 @@ async def _serve(project: Project, catalog: Catalog, lifecycle: Lifecycle, *, ho
 
     upstream = Upstream(limits)
     manager = EngineManager(catalog, lifecycle, say=say, on_change=record,
-                            drain_timeout=drain_timeout, limits=limits, probe=upstream.probe)
+                            drain_timeout=drain_timeout, limits=limits, probe=upstream.probe,
+                            plan=plan, remember=lambda profile, figures: write_store(
+                                project, profile, **figures))
     app = RouterApp(catalog, manager, upstream, token=token, exposed_on=host,
                     load_timeout=load_timeout, limits=limits)
     front = Front(app.handle, limits, say=say)
@@ -186,10 +245,14 @@ async def _serve(project: Project, catalog: Catalog, lifecycle: Lifecycle, *, ho
         loop.add_signal_handler(sig, stopping, sig)
     idle: asyncio.Task[None] | None = None
     try:
-        await manager.adopt()
+        adopted = await manager.adopt()
+        if plan is not None and adopted and plan.card is not None:
+            # What the adopted engines hold is theirs, not other programs': out of the baseline.
+            held = plan.usage(manager.views())
+            plan.baseline = max(0, plan.baseline - held)
         record()
-        names = ", ".join(f"{e.id} ({e.profile}, {e.engine}, ttl {e.ttl:g} s)"
-                          for e in catalog.entries.values())
+        names = ", ".join(f"{e.id} ({e.profile}, {e.engine}, {manager.members[e.id].mode}, "
+                          f"ttl {e.ttl:g} s)" for e in catalog.entries.values())
         say(f"router on {url}/v1 for platform {catalog.platform}: {names}")
         say("token required for requests" if app.auth_required else "loopback only, no token")
         idle = loop.create_task(manager.idle_loop())

@@ -6,19 +6,25 @@ model's own log, generated/router/<profile>.log, and line by line, named, to the
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TextIO, cast
 
+import requests
+
+from vllmstack.config.profiles import Resolved, Setting
 from vllmstack.core.errors import StackError
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner
-from vllmstack.observe.health import health_status
+from vllmstack.observe.health import health_status, is_sleeping
 from vllmstack.router.catalog import Catalog, Entry
-from vllmstack.router.engines import Loaded
+from vllmstack.router.states import Adopted, Loaded, Slept
+from vllmstack.runtime.gpu import GpuMemory, GpuProbe, NoGpuProbe, probe_for, total_used
 from vllmstack.serve import lifecycle
 from vllmstack.serve.stack import Stack
 from vllmstack.serve.state import StateError, read_state
@@ -26,6 +32,13 @@ from vllmstack.serve.state import StateError, read_state
 ROUTER_DIR = "router"
 # `down` waits this long for the GPU memory to be released (as `invoke down` does by default).
 DOWN_TIMEOUT_S = 120.0
+# Level 1 only: weights to host RAM, KV cache dropped. Level 2 drops the weights too, and after
+# a level-2 wake vLLM does not reload speculative-decoding (MTP) drafts (vLLM #52479).
+SLEEP_LEVEL = 1
+SLEEP_FLAG = "--enable-sleep-mode"
+DEV_MODE = "VLLM_SERVER_DEV_MODE=1"  # what exposes /sleep and /wake_up (loopback only)
+# A first sleep pins host buffers for the weights: 41 s for a 27B on an H200.
+SLEEP_TIMEOUT_S = 600.0
 
 
 class LineLog(io.TextIOBase):
@@ -61,27 +74,39 @@ class LineLog(io.TextIOBase):
 
 class StackLifecycle:
     """engines.Lifecycle over serve.lifecycle: load = `up` (no dashboard side-car: the
-    dashboard follows one engine, not a router), unload = `down`."""
+    dashboard follows one engine, not a router), unload = `down`, each on the entry's own
+    engine (`Entry.slot`; "" where one engine runs at a time); sleep and wake through vLLM's
+    dev-mode endpoints, with the card's used memory read around every sleep by the probe `up`'s
+    guards use."""
 
     def __init__(self, project: Project, environ: Mapping[str, str], runner: Runner, *,
-                 say: Callable[[str], None], runtime: str | None = None) -> None:
+                 say: Callable[[str], None], runtime: str | None = None,
+                 catalog: Catalog | None = None) -> None:
         self.project, self.environ, self.runner = project, environ, runner
         self.say, self.runtime = say, runtime
+        entries = list(catalog.entries.values()) if catalog is not None else []
+        # The pool's engines: starting one never counts the others as another engine.
+        self.siblings = frozenset(e.slot for e in entries if e.slot)
+        first = entries[0].resolved if entries else None
+        self.probe: GpuProbe = NoGpuProbe() if first is None else probe_for(
+            first.get_str("GPU_VENDOR"), runner, unified_memory=first.get_bool("UNIFIED_MEMORY"),
+            standin=first.get_str("GPU_MEMORY_DIR"))
 
     def log_path(self, entry: Entry) -> Path:
         return self.project.generated / ROUTER_DIR / f"{entry.profile}.log"
 
     @contextmanager
-    def stack(self, entry: Entry) -> Iterator[Stack]:
+    def stack(self, entry: Entry, resolved: Resolved | None = None) -> Iterator[Stack]:
         out = LineLog(self.log_path(entry), self.say, f"[{entry.id}] ")
         try:
-            yield lifecycle.open_stack(self.project, entry.resolved, self.environ, self.runner,
-                                       runtime=self.runtime, out=cast(TextIO, out))
+            yield lifecycle.open_stack(self.project, resolved or entry.resolved, self.environ,
+                                       self.runner, runtime=self.runtime, out=cast(TextIO, out),
+                                       probe=self.probe, slot=entry.slot, siblings=self.siblings)
         finally:
             out.close()
 
-    def load(self, entry: Entry) -> Loaded:
-        with self.stack(entry) as stack:
+    def load(self, entry: Entry, util: float | None = None, sleep_mode: bool = False) -> Loaded:
+        with self.stack(entry, with_start_options(entry.resolved, util, sleep_mode)) as stack:
             try:
                 result = lifecycle.up(stack, dashboard=False)
             except StackError as exc:
@@ -95,10 +120,10 @@ class StackLifecycle:
         engine, or every later load would be refused while it holds the GPU. An engine that
         `up` did not start for this profile (another profile's, a user's) is never touched."""
         try:
-            started_here = (read_state(self.project) or {}).get("profile") == entry.profile
+            state = read_state(self.project, entry.slot) or {}
         except StateError:
             return
-        if started_here and stack.engine.state().running:
+        if state.get("profile") == entry.profile and stack.engine.state().running:
             try:
                 lifecycle.down(stack, timeout=DOWN_TIMEOUT_S)
             except StackError as exc:
@@ -116,22 +141,90 @@ class StackLifecycle:
         with self.stack(entry) as stack:
             stack.engine.stop()
 
-    def adoptable(self, catalog: Catalog) -> Entry | None:
-        """The engine generated/state.json names, when it is one of the catalog's profiles on its
-        platform and it runs and answers /health with 200."""
+    def sleep(self, entry: Entry) -> Slept:
+        """POST /sleep?level=1 (never level 2: after a level-2 wake vLLM does not reload MTP
+        drafts, vLLM #52479), the cards' used memory read right before and after."""
+        before = total_used(self.probe.memory())
+        began = time.monotonic()
+        self._post(entry, f"/sleep?level={SLEEP_LEVEL}", "sleep")
+        seconds = time.monotonic() - began
+        return Slept(seconds, before, total_used(self.probe.memory()))
+
+    def wake(self, entry: Entry) -> float:
+        began = time.monotonic()
+        self._post(entry, "/wake_up", "wake up")
+        return time.monotonic() - began
+
+    def memory(self) -> list[GpuMemory] | None:
+        return self.probe.memory()
+
+    def _post(self, entry: Entry, path: str, what: str) -> None:
         try:
-            state = read_state(self.project) or {}
-        except StateError as exc:
-            self.say(f"warning: nothing adopted: {exc.cause}")
-            return None
-        entry = catalog.by_profile(str(state.get("profile", "")))
-        if entry is None or state.get("platform") != catalog.platform:
-            if state:
-                self.say(f"not adopting the engine of generated/state.json (profile "
-                         f"{state.get('profile')} on {state.get('platform')}): not one of the "
-                         "router's profiles; a load will refuse while it runs")
-            return None
-        with self.stack(entry) as stack:
-            if stack.engine.state().running and health_status(stack.url) == 200:
-                return entry
-        return None
+            answer = requests.post(entry.url + path, timeout=SLEEP_TIMEOUT_S)
+        except requests.RequestException as exc:
+            raise StackError(f"the engine of {entry.id} did not {what}: {exc}",
+                             f"see its log (generated/router/{entry.profile}.log)") from exc
+        if answer.status_code != 200:
+            raise StackError(
+                f"the engine of {entry.id} answered {answer.status_code} to POST {path}: "
+                f"{answer.text[:200]}",
+                "sleep mode needs vLLM's --enable-sleep-mode and VLLM_SERVER_DEV_MODE=1 (the "
+                "router sets both in sleep mode) on a platform vLLM sleeps on (CUDA, ROCm)")
+
+    def adoptable(self, catalog: Catalog) -> list[Adopted]:
+        """Engines of the catalog's profiles that run and answer /health with 200, each as its
+        state file records it (on its own engine; where one engine runs at a time, the one
+        generated/state.json names), awake or asleep."""
+        found: list[Adopted] = []
+        for entry in catalog.entries.values():
+            try:
+                state = read_state(self.project, entry.slot) or {}
+            except StateError as exc:
+                self.say(f"warning: {entry.id} not adopted: {exc.cause}")
+                continue
+            if state.get("profile") != entry.profile or state.get("platform") != catalog.platform:
+                if state and not entry.slot:
+                    self.say(f"not adopting the engine of generated/state.json (profile "
+                             f"{state.get('profile')} on {state.get('platform')}): not one of "
+                             "the router's profiles; a load will refuse while it runs")
+                continue
+            with self.stack(entry) as stack:
+                if stack.engine.state().running and health_status(entry.url) == 200:
+                    found.append(Adopted(entry, entry.url, is_sleeping(entry.url) is True,
+                                         recorded_util(state)))
+        return found
+
+
+def with_start_options(resolved: Resolved, util: float | None, sleep_mode: bool) -> Resolved:
+    """The profile as the router starts it: at the share of the card its plan leaves
+    (VLLM_GPU_MEM_UTIL), and in sleep mode with vLLM's --enable-sleep-mode and
+    VLLM_SERVER_DEV_MODE=1 (its /sleep and /wake_up; the engine listens on loopback only, see
+    catalog). As --set overrides: state.json records them, so `status` resolves the same."""
+    values = dict(resolved.values)
+
+    def put(key: str, value: str) -> None:
+        values[key] = Setting(key, value, "--set")
+
+    if util is not None:
+        put("VLLM_GPU_MEM_UTIL", f"{util:g}")
+    if sleep_mode:
+        extra = resolved.get_str("VLLM_EXTRA_ARGS")
+        if SLEEP_FLAG not in extra.split():
+            put("VLLM_EXTRA_ARGS", f"{extra} {SLEEP_FLAG}".strip())
+        env = resolved.get_str("ENGINE_ENV")
+        if DEV_MODE not in env.split():
+            put("ENGINE_ENV", f"{env} {DEV_MODE}".strip())
+    return dataclasses.replace(resolved, values=values)
+
+
+def recorded_util(state: Mapping[str, object]) -> float | None:
+    """The VLLM_GPU_MEM_UTIL an engine was started with, from its state's overrides."""
+    sets = state.get("sets")
+    for word in sets if isinstance(sets, list) else []:
+        key, _, value = str(word).partition("=")
+        if key == "VLLM_GPU_MEM_UTIL":
+            try:
+                return float(value)
+            except ValueError:
+                return None
+    return None

@@ -10,8 +10,11 @@ from typing import Any, Protocol
 
 from vllmstack.core.errors import StackError
 from vllmstack.router.catalog import Catalog, Entry
+from vllmstack.runtime.gpu import GpuMemory
 
 UNLOADED, LOADING, READY, FAILED, UNLOADING = "unloaded", "loading", "ready", "failed", "unloading"
+# Sleep mode: a loaded engine whose weights are in host RAM; it answers no request until woken.
+SLEEPING, ASLEEP, WAKING = "sleeping", "asleep", "waking"
 
 
 class RouterBusyError(StackError):
@@ -31,12 +34,35 @@ class Loaded:
     warmup_s: float = 0.0
 
 
+@dataclass(frozen=True)
+class Slept:
+    """A sleep's outcome: how long it took and the cards' used memory (bytes, summed over the
+    cards the engine spans) right before and after; None where nothing reads the cards."""
+
+    seconds: float
+    before: int | None
+    after: int | None
+
+
+@dataclass(frozen=True)
+class Adopted:
+    """An engine of one of the router's profiles that already runs (a router before this one
+    started it): where it answers, whether it sleeps, and the share of the card it started with."""
+
+    entry: Entry
+    url: str
+    asleep: bool = False
+    util: float | None = None
+
+
 class Lifecycle(Protocol):
     """How the manager loads and unloads (serve.lifecycle for real; a fake in unit tests).
     Every method blocks and is called from a worker thread."""
 
-    def load(self, entry: Entry) -> Loaded:
-        """Start the engine (as `invoke up`); once healthy and warm. StackError on failure."""
+    def load(self, entry: Entry, util: float | None = None, sleep_mode: bool = False) -> Loaded:
+        """Start the engine (as `invoke up`); once healthy and warm. StackError on failure.
+        `util`: its gpu_memory_utilization (None: the profile's); `sleep_mode`: start it able
+        to sleep (vLLM's --enable-sleep-mode and its dev-mode endpoints, on loopback only)."""
 
     def unload(self, entry: Entry) -> None:
         """Stop it (as `invoke down`), returning once its memory is released."""
@@ -44,8 +70,18 @@ class Lifecycle(Protocol):
     def abort(self, entry: Entry) -> None:
         """Cut a boot short (the router is stopping): the load then fails at once."""
 
-    def adoptable(self, catalog: Catalog) -> Entry | None:
-        """A healthy engine of one of the catalog's profiles that is already running."""
+    def adoptable(self, catalog: Catalog) -> list[Adopted]:
+        """Healthy engines of the catalog's profiles that already run."""
+
+    def sleep(self, entry: Entry) -> Slept:
+        """Put a loaded engine to sleep (level 1: weights to host RAM, KV cache dropped; never
+        level 2, after which vLLM does not reload MTP drafts). StackError on failure."""
+
+    def wake(self, entry: Entry) -> float:
+        """Wake it; the seconds it took. StackError on failure."""
+
+    def memory(self) -> list[GpuMemory] | None:
+        """The cards' memory now (the probe `up`'s guards and `doctor` read)."""
 
 
 @dataclass
@@ -57,22 +93,37 @@ class ModelStatus:
 
 @dataclass
 class Swap:
-    """One switch: the old engine's stop time, the new one's start, and the whole."""
+    """One switch: what gave way (put to sleep, stopped) and how long that took, the target's
+    wake or start, the whole, and the first answer after it."""
 
-    unloaded: str | None
+    unloaded: str | None  # the first engine put away (slept or stopped)
     loaded: str | None
     stop_s: float
     start_s: float
     total_s: float
     ok: bool
-    reason: str  # "request", "unload", "idle"
+    reason: str  # "request", "unload", "idle", "prime"
     at: float = field(default_factory=time.time)
     error: str | None = None
     boot_s: float = 0.0  # of start_s: the engine's boot to /health 200
     warmup_s: float = 0.0  # of start_s: the warm-up request
+    sleep_s: float = 0.0  # putting the engines that gave way to sleep
+    wake_s: float = 0.0  # waking the target (instead of starting it)
+    slept: tuple[str, ...] = ()
+    stopped: tuple[str, ...] = ()
+    util: float | None = None  # the share of the card a start asked for, where the plan set it
+    first_s: float | None = None  # from the end of the swap to the engine's first answer
+    request_s: float | None = None  # from the request that asked for it to that first answer
+    asked_at: float | None = None  # monotonic: when that request arrived
 
     def as_dict(self) -> dict[str, Any]:
-        return {"unloaded": self.unloaded, "loaded": self.loaded, "stop_s": round(self.stop_s, 3),
-                "start_s": round(self.start_s, 3), "boot_s": round(self.boot_s, 3),
-                "warmup_s": round(self.warmup_s, 3), "total_s": round(self.total_s, 3),
-                "ok": self.ok, "reason": self.reason, "at": self.at, "error": self.error}
+        def r(value: float | None) -> float | None:
+            return None if value is None else round(value, 3)
+
+        return {"unloaded": self.unloaded, "loaded": self.loaded, "stop_s": r(self.stop_s),
+                "start_s": r(self.start_s), "boot_s": r(self.boot_s),
+                "warmup_s": r(self.warmup_s), "sleep_s": r(self.sleep_s), "wake_s": r(self.wake_s),
+                "slept": list(self.slept), "stopped": list(self.stopped), "util": self.util,
+                "first_s": r(self.first_s), "request_s": r(self.request_s),
+                "total_s": r(self.total_s), "ok": self.ok, "reason": self.reason, "at": self.at,
+                "error": self.error}

@@ -1,0 +1,360 @@
+"""The router's memory plan (issue 21): what gives way when a model must be awake, the share of
+the card a start asks for, the host RAM sleeping engines may hold, the eviction policies, the
+verdict on a sleep, and the pool acting on it over a fake card that refuses, like vLLM, a start
+or a wake that does not fit."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+from test_router_engines import catalog, entry, run
+
+from vllmstack.checks.context import build_context
+from vllmstack.checks.router import rule_router_swap
+from vllmstack.config.profiles import resolve
+from vllmstack.core.errors import StackError
+from vllmstack.core.paths import Project
+from vllmstack.router.catalog import Catalog, Entry
+from vllmstack.router.engines import EngineManager
+from vllmstack.router.limits import Limits
+from vllmstack.router.memory import render_plan
+from vllmstack.router.plan import (
+    DEFAULT_RESIDUE,
+    GIB,
+    RESTART,
+    SCORE,
+    SLEEP,
+    Need,
+    Plan,
+    View,
+    apply_store,
+    exclusive_plan,
+    host_limit,
+    judge_sleep,
+    swap_mode,
+)
+from vllmstack.router.states import Adopted, Loaded, Slept
+from vllmstack.runtime.gpu import GpuMemory
+
+CARD = 40 * GIB
+
+
+def need(name: str, util: float, mode: str = SLEEP, host_gib: float = 4.0) -> Need:
+    return Need(name, name, mode, "test", util, 1, int(host_gib * GIB))
+
+
+def plan(*needs: Need, host_limit_gib: float = 0, policy: str = "lru") -> Plan:
+    return Plan({n.id: n for n in needs}, CARD, 0, int(host_limit_gib * GIB), policy)
+
+
+def awake(name: str, used: float, util: float | None = None, load_s: float = 60.0) -> View:
+    return View(name, True, util, used, load_s)
+
+
+def asleep(name: str, used: float, util: float = 0.6, load_s: float = 60.0) -> View:
+    return View(name, False, util, used, load_s)
+
+
+# --- arrange ---------------------------------------------------------------------------------
+
+
+def test_the_awake_engine_sleeps_only_when_both_do_not_fit() -> None:
+    both = plan(need("a", 0.6), need("b", 0.6))
+    arrangement = both.arrange("b", [awake("a", 1.0, 0.6)], now=2.0)
+    assert (arrangement.sleep, arrangement.stop, arrangement.util) == (("a",), (), None)
+    small = plan(need("a", 0.3), need("b", 0.3))
+    together = small.arrange("b", [awake("a", 1.0, 0.3)], now=2.0)
+    assert together.put_away == frozenset() and together.fits  # profiles that fit stay awake
+
+
+def test_a_restart_engine_is_stopped_and_the_least_recently_used_goes_first() -> None:
+    three = plan(need("a", 0.45), need("b", 0.45, RESTART), need("c", 0.45))
+    # a used at 5, b at 3: b (least recent) gives way first, and b restarts: stopped.
+    arrangement = three.arrange("c", [awake("a", 5.0, 0.45), awake("b", 3.0, 0.45)], now=9.0)
+    assert (arrangement.sleep, arrangement.stop) == ((), ("b",))
+
+
+def test_a_fresh_start_asks_for_what_is_left_beside_the_sleeping_residues() -> None:
+    # Three sleeping engines hold 3 x 2 GiB of a 40 GiB card; d's 0.95 does not fit beside them
+    # (nor beside the margin): it starts with the share left, rounded down.
+    crowd = plan(need("a", 0.5), need("b", 0.5), need("c", 0.5), need("d", 0.95))
+    views = [asleep("a", 1.0), asleep("b", 2.0), asleep("c", 3.0)]
+    arrangement = crowd.arrange("d", views, now=4.0)
+    left = (CARD - GIB // 2 - 3 * DEFAULT_RESIDUE) / CARD
+    assert arrangement.put_away == frozenset() and arrangement.fits
+    assert arrangement.util == pytest.approx(int(left * 1000) / 1000)
+    # A model whose weights need more than that stops the least recently used sleepers instead.
+    heavy = plan(need("a", 0.5), need("b", 0.5), need("c", 0.5),
+                 need("d", 0.95, host_gib=31.0))
+    arrangement = heavy.arrange("d", views, now=4.0)
+    assert arrangement.stop == ("a", "b") and arrangement.fits
+    assert arrangement.util is not None and arrangement.util * CARD >= heavy.needs["d"].floor
+
+
+def test_a_model_that_cannot_fit_says_so_with_its_numbers() -> None:
+    huge = plan(need("a", 0.5), need("d", 0.95, host_gib=60.0))
+    arrangement = huge.arrange("d", [asleep("a", 1.0)], now=2.0)
+    assert not arrangement.fits
+    assert "d needs 38.0 GiB of a 40.0 GiB card" in arrangement.why
+
+
+def test_waking_needs_room_for_the_share_it_started_with() -> None:
+    two = plan(need("a", 0.6), need("b", 0.6), need("c", 0.4))
+    # b sleeps at 0.6; c is awake at 0.4 and a sleeps: b's 24 GiB needs c asleep too.
+    views = [asleep("b", 1.0), awake("c", 2.0, 0.4), asleep("a", 0.5)]
+    arrangement = two.arrange("b", views, now=3.0)
+    assert arrangement.sleep == ("c",) and arrangement.util is None
+
+
+def test_sleeping_engines_stay_within_the_host_ram_limit_by_policy() -> None:
+    needs = (need("a", 0.6, host_gib=10), need("b", 0.6, host_gib=10), need("c", 0.6))
+    views = [asleep("a", 1.0, load_s=100.0), awake("b", 5.0, 0.6, load_s=10.0)]
+    # c needs b asleep; a and b asleep hold 20 GiB of host RAM, over 15: one sleeper goes.
+    lru = plan(*needs, host_limit_gib=15).arrange("c", views, now=10.0)
+    assert (lru.sleep, lru.stop) == (("b",), ("a",))  # a: least recently used
+    # score = idle / load time: a idle 9 s / 100 s load, b idle 5 s / 10 s: b is cheaper to
+    # bring back, so b is stopped instead of put to sleep.
+    score = plan(*needs, host_limit_gib=15, policy=SCORE).arrange("c", views, now=10.0)
+    assert (score.sleep, score.stop) == ((), ("b",))
+
+
+def test_an_exclusive_plan_keeps_one_engine_awake() -> None:
+    one = exclusive_plan([("a", "a"), ("b", "b")])
+    arrangement = one.arrange("b", [awake("a", 1.0)], now=2.0)
+    assert arrangement.stop == ("a",) and arrangement.sleep == ()
+
+
+# --- a sleep's verdict, modes, the store ------------------------------------------------------
+
+
+def test_a_sleep_that_freed_little_is_not_released() -> None:
+    card = plan(need("a", 0.6))
+    budget = int(CARD * 0.6)
+    done = judge_sleep(card, "a", 0.6, budget + GIB, GIB + int(1.3 * GIB))
+    assert done.released and done.residue == pytest.approx(1.3 * GIB, rel=0.01)
+    kept = judge_sleep(card, "a", 0.6, budget + GIB, budget + GIB - GIB // 2)
+    assert not kept.released and "sleep freed 0.5 GiB of the 24.0 GiB it held" in kept.text
+    blind = judge_sleep(card, "a", 0.6, None, None)
+    assert blind.released and "not checked" in blind.text
+
+
+@pytest.mark.parametrize(("setting", "engine", "vendor", "several", "mode"), [
+    ("auto", "vllm", "nvidia", True, SLEEP), ("auto", "vllm", "amd", True, SLEEP),
+    ("auto", "vllm", "none", True, RESTART), ("auto", "llamacpp", "nvidia", True, RESTART),
+    ("sleep", "vllm", "none", True, SLEEP), ("restart", "vllm", "nvidia", True, RESTART),
+    ("auto", "vllm", "nvidia", False, RESTART),
+])
+def test_swap_modes(setting: str, engine: str, vendor: str, several: bool, mode: str) -> None:
+    assert swap_mode(setting, engine, vendor, several)[0] == mode
+
+
+def test_the_store_brings_a_measured_residue_and_a_fallback() -> None:
+    measured = apply_store(need("a", 0.6), {"residue_bytes": 1400 * 1024**2})
+    assert measured.measured and measured.residue == 1400 * 1024**2 and measured.mode == SLEEP
+    fallen = apply_store(need("a", 0.6), {"fallback": "its sleep did not release the memory"})
+    assert fallen.mode == RESTART and "delete its entry" in fallen.why
+
+
+def test_the_host_limit_defaults_to_half_of_memtotal(tmp_path: Path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       65536000 kB\nMemFree: 1 kB\n")
+    assert host_limit(0, meminfo) == 65536000 * 1024 // 2
+    assert host_limit(12, meminfo) == 12 * GIB
+
+
+def test_the_plan_is_printed_with_what_does_not_fit() -> None:
+    huge = plan(need("a", 0.5), need("d", 0.95, host_gib=60.0))
+    shown = render_plan(huge, Catalog("nvidia", {}, {}))
+    assert "40.0 GiB per card" in shown and "DOES NOT FIT: d needs 38.0 GiB" in shown
+    assert "asking for a: awake beside d" not in shown
+    assert "asking for a: asleep: d" in shown
+
+
+def test_check_warns_when_sleep_is_forced_where_vllm_does_not_sleep(project: Project) -> None:
+    def findings(*sets: str) -> list[str]:
+        resolved = resolve(project, platform="cpu", model="qwen3-0.6b", overrides=list(sets),
+                           environ={})
+        return [f.code for f in rule_router_swap(build_context(project, resolved, {}))]
+
+    assert findings("ROUTER_SWAP=sleep") == ["sleep-unsupported"]
+    assert findings("ROUTER_SWAP=auto") == []
+    assert findings("ROUTER_SWAP=sleep", "GPU_VENDOR=nvidia") == []
+    assert findings("ROUTER_SWAP=sleep", "GPU_VENDOR=nvidia", "RUNTIME=compose") == [
+        "sleep-one-engine"]
+
+
+# --- the pool over a fake card --------------------------------------------------------------
+
+
+class FakeCard:
+    """A lifecycle whose engines hold memory on one fake card: a start or a wake that does not
+    fit fails as vLLM does, and the highest use is kept."""
+
+    def __init__(self, total: int, *, residue: int = GIB, keep: tuple[str, ...] = (),
+                 util: float = 0.6) -> None:
+        self.total, self.residue, self.keep, self.util = total, residue, keep, util
+        self.held: dict[str, int] = {}
+        self.budget: dict[str, int] = {}
+        self.calls: list[tuple[str, str]] = []
+        self.peak = 0
+        self.lock = threading.Lock()
+
+    def _hold(self, name: str, amount: int) -> None:
+        self.held[name] = amount
+        self.peak = max(self.peak, sum(self.held.values()))
+
+    def load(self, entry: Entry, util: float | None = None, sleep_mode: bool = False) -> Loaded:
+        with self.lock:
+            self.calls.append(("load", entry.id))
+            want = int(self.total * (util or self.util))
+            free = self.total - sum(self.held.values())
+            if free < want:
+                raise StackError(f"Free memory on device ({free}) is less than desired ({want})")
+            self.budget[entry.id] = want
+            self._hold(entry.id, want)
+        return Loaded(f"http://127.0.0.1:1/{entry.id}")
+
+    def unload(self, entry: Entry) -> None:
+        with self.lock:
+            self.calls.append(("unload", entry.id))
+            self.held.pop(entry.id, None)
+
+    def abort(self, entry: Entry) -> None:
+        self.calls.append(("abort", entry.id))
+
+    def adoptable(self, catalog: Catalog) -> list[Adopted]:
+        return []
+
+    def sleep(self, entry: Entry) -> Slept:
+        with self.lock:
+            self.calls.append(("sleep", entry.id))
+            before = sum(self.held.values())
+            if entry.id not in self.keep:
+                self._hold(entry.id, self.residue)
+            return Slept(0.01, before, sum(self.held.values()))
+
+    def wake(self, entry: Entry) -> float:
+        with self.lock:
+            self.calls.append(("wake", entry.id))
+            want = self.budget[entry.id] - self.held[entry.id]
+            if self.total - sum(self.held.values()) < want:
+                raise StackError("out of memory on wake")
+            self._hold(entry.id, self.budget[entry.id])
+        return 0.01
+
+    def memory(self) -> list[GpuMemory] | None:
+        with self.lock:
+            return [GpuMemory(0, self.total, sum(self.held.values()))]
+
+
+def sleeping_pool(card: FakeCard, *entries: Entry, util: float = 0.6,
+                  host_limit_gib: float = 0) -> tuple[EngineManager, list[dict[str, object]]]:
+    remembered: list[dict[str, object]] = []
+    needs = [Need(e.id, e.profile, SLEEP, "test", util, 1, 2 * GIB) for e in entries]
+    pool_plan = Plan({n.id: n for n in needs}, card.total, 0, int(host_limit_gib * GIB))
+    manager = EngineManager(catalog(*entries), card, plan=pool_plan,
+                            limits=Limits(swap_wait=0, swap_grace=0),
+                            remember=lambda profile, fields: remembered.append(
+                                {"profile": profile, **fields}))
+    return manager, remembered
+
+
+A, B, C = entry("a"), entry("b"), entry("c")
+
+
+def test_swaps_sleep_and_wake_and_the_card_never_holds_more_than_it_has() -> None:
+    card = FakeCard(40 * GIB)
+
+    async def go() -> None:
+        manager, remembered = sleeping_pool(card, A, B)
+        await manager.load(A, 5)  # no client waits: its first sleep is paid at load
+        assert card.calls == [("load", "a"), ("sleep", "a"), ("wake", "a")]
+        assert remembered == [{"profile": "a", "residue_bytes": GIB, "util": None}]
+        for model in (B, A, B, A):
+            await manager.acquire(model, 5)
+            manager.release(model)
+        assert card.calls[3:] == [("sleep", "a"), ("load", "b"), ("sleep", "b"), ("wake", "a"),
+                                  ("sleep", "a"), ("wake", "b"), ("sleep", "b"), ("wake", "a")]
+        assert card.peak <= card.total and manager.snapshot()["asleep"] == ["b"]
+        await manager.shutdown()  # stops the sleeping engine too
+        assert card.held == {} and card.calls[-2:] == [("unload", "a"), ("unload", "b")]
+
+    run(go)
+
+
+def test_a_sleep_that_keeps_its_memory_falls_back_to_restart() -> None:
+    card = FakeCard(40 * GIB, keep=("a",))
+    said: list[str] = []
+
+    async def go() -> None:
+        manager, remembered = sleeping_pool(card, A, B)
+        manager.say = said.append
+        await manager.acquire(A, 5)  # a client waits: no sleep at load
+        manager.release(A)
+        assert card.calls == [("load", "a")]
+        await manager.acquire(B, 5)
+        manager.release(B)
+        # a's sleep freed nothing: it was stopped instead, and it restarts from now on.
+        assert card.calls == [("load", "a"), ("sleep", "a"), ("unload", "a"), ("load", "b")]
+        member = manager.members["a"]
+        assert member.mode == RESTART and "did not release the GPU memory" in member.why
+        assert {"profile": "a", "fallback": member.why} in remembered
+        assert any("it swaps by restart from now on" in line for line in said)
+        assert card.peak <= card.total
+
+    run(go)
+
+
+def test_three_models_on_a_card_for_two_keep_the_most_recent_awake() -> None:
+    card = FakeCard(40 * GIB, util=0.45)
+
+    async def go() -> None:
+        manager, _ = sleeping_pool(card, A, B, C, util=0.45)
+        for model in (A, B):
+            await manager.acquire(model, 5)
+            manager.release(model)
+        assert manager.snapshot()["awake"] == ["a", "b"]  # 0.45 + 0.45 fit together
+        await manager.acquire(C, 5)
+        manager.release(C)
+        snap = manager.snapshot()
+        assert snap["awake"] == ["b", "c"] and snap["asleep"] == ["a"]  # a: least recently used
+        assert card.peak <= card.total
+
+    run(go)
+
+
+def test_the_host_ram_limit_stops_a_sleeper_instead_of_keeping_it() -> None:
+    card = FakeCard(40 * GIB)
+
+    async def go() -> None:
+        manager, _ = sleeping_pool(card, A, B, C, host_limit_gib=3)  # one 2 GiB sleeper fits
+        for model in (A, B, C):
+            await manager.acquire(model, 5)
+            manager.release(model)
+        snap = manager.snapshot()
+        assert snap["awake"] == ["c"] and snap["asleep"] == ["b"]
+        assert manager.members["a"].state == "unloaded" and ("unload", "a") in card.calls
+
+    run(go)
+
+
+def test_requests_for_an_engine_going_to_sleep_wait_for_its_wake() -> None:
+    card = FakeCard(40 * GIB)
+
+    async def go() -> None:
+        manager, _ = sleeping_pool(card, A, B)
+        await manager.acquire(A, 5)
+        switch = asyncio.create_task(manager.acquire(B, 5))
+        await asyncio.sleep(0.05)
+        assert manager.victims == frozenset({"a"}) and not manager.servable(A)
+        late = asyncio.create_task(manager.acquire(A, 5))  # queued, never sent to a sleeper
+        manager.release(A)
+        await switch
+        manager.release(B)
+        assert await late == "http://127.0.0.1:1/a" and manager.members["a"].ready
+        manager.release(A)
+
+    run(go)

@@ -1,0 +1,100 @@
+"""The router's plan for its catalog on this host (plan.Plan), and `invoke router --plan`.
+
+Per profile: how it swaps (ROUTER_SWAP, its engine, the platform's GPU vendor, whether the
+runtime runs several engines), its budget (VLLM_GPU_MEM_UTIL x the card), its weights (the host
+RAM a sleeping vLLM backs them up in: MODEL_WEIGHT_GIB, the files on disk, or config.json's
+geometry), and what generated/router/memory.json measured (its residue asleep, or why its sleep
+falls back to restart). The card is what the stack's GPU probe reads (nvidia-smi, sysfs, or
+GPU_MEMORY_DIR); nothing is started to build the plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from vllmstack.config.modelinfo import load_model_facts
+from vllmstack.core.paths import Project
+from vllmstack.router.catalog import Catalog
+from vllmstack.router.plan import (
+    GIB,
+    LRU,
+    SLEEP,
+    Need,
+    Plan,
+    View,
+    apply_store,
+    host_limit,
+    read_store,
+    swap_mode,
+)
+from vllmstack.runtime.gpu import GpuMemory
+
+
+def build_plan(project: Project, catalog: Catalog, environ: Mapping[str, str], *, setting: str,
+               several: bool, cards: list[GpuMemory] | None,
+               meminfo: Path = Path("/proc/meminfo")) -> Plan:
+    """The plan before anything runs: the card as read now (its used memory is the baseline:
+    what other programs hold), the profiles' needs, the store's measurements."""
+    store = read_store(project)
+    needs: dict[str, Need] = {}
+    first = next(iter(catalog.entries.values())).resolved
+    card = min((c.total_bytes for c in cards), default=None) if cards else None
+    for entry in catalog.entries.values():
+        resolved = entry.resolved
+        mode, why = swap_mode(setting, entry.engine, resolved.get_str("GPU_VENDOR"), several)
+        weights = load_model_facts(resolved, environ).weight_gib or 0.0
+        if entry.engine == "vllm":
+            util, gpus = resolved.get_float("VLLM_GPU_MEM_UTIL"), max(1, resolved.get_int("VLLM_TP"))
+        else:
+            # llama.cpp takes what its weights and context need, not a share of the card: its
+            # weights and a fifth, plus 2 GiB (the whole card where the weights are unknown).
+            util, gpus = 1.0, 1
+            if weights and card:
+                util = min(1.0, round((weights * 1.2 + 2) * GIB / card, 3))
+        need = Need(entry.id, entry.profile, mode, why, util, gpus, int(weights * GIB))
+        needs[entry.id] = apply_store(need, store.get(entry.profile, {}))
+    baseline = max((c.used_bytes for c in cards), default=0) if cards else 0
+    return Plan(needs, card, baseline,
+                host_limit(first.get_float("ROUTER_HOST_RAM_GIB"), meminfo),
+                first.get_str("ROUTER_EVICT") or LRU,
+                exclusive=not several or card is None)
+
+
+def render_plan(plan: Plan, catalog: Catalog) -> str:
+    """`invoke router --plan`: per profile its swap mode, budget, residue and host backup; then
+    what stays awake together, when each profile is the one asked for."""
+    card = f"{plan.card / GIB:.1f} GiB per card" if plan.card else "no card reading"
+    lines = [f"router plan for platform {catalog.platform} ({card}; "
+             f"{plan.baseline / GIB:.1f} GiB in use by others; room for the engines "
+             + (f"{plan.capacity / GIB:.1f} GiB" if plan.capacity is not None else "unknown")
+             + f"; sleeping engines may hold {plan.host_limit / GIB:.1f} GiB of host RAM; "
+             f"eviction {plan.policy})"]
+    if plan.exclusive:
+        lines.append("one engine at a time: " + (
+            "no reading of the card's memory" if plan.card is None else
+            "this runtime runs one engine per checkout"))
+    lines.append(f"{'model':<24} {'swap':<8} {'util':>5} {'budget':>8} {'asleep':>8} "
+                 f"{'host':>7}  why")
+    for need in plan.needs.values():
+        budget = (f"{plan.budget(need.id) * need.gpus / GIB:.1f}G" if plan.card else "-")
+        asleep = (f"{need.residue * need.gpus / GIB:.1f}G" + ("" if need.measured else "*")
+                  if need.mode == SLEEP else "-")
+        host = f"{need.host / GIB:.1f}G" if need.host else "?"
+        lines.append(f"{need.id[:24]:<24} {need.mode:<8} {need.util:>5g} {budget:>8} "
+                     f"{asleep:>8} {host:>7}  {need.why}")
+    lines.append("(* not measured yet: 2 GiB per card assumed until its first sleep)")
+    for target in plan.needs:
+        others = [View(i, awake=True, util=None, last_used=0.0) for i in plan.needs if i != target]
+        arrangement = plan.arrange(target, others, now=0.0)
+        awake = [i for i in plan.needs if i != target and i not in arrangement.put_away]
+        text = (f"asking for {target}: "
+                + (f"awake beside {', '.join(awake)}; " if awake else "")
+                + (f"asleep: {', '.join(arrangement.sleep)}; " if arrangement.sleep else "")
+                + (f"stopped: {', '.join(arrangement.stop)}; " if arrangement.stop else "")
+                + (f"started at gpu_memory_utilization {arrangement.util:g}"
+                   if arrangement.util is not None else ""))
+        if not arrangement.fits:
+            text += f"DOES NOT FIT: {arrangement.why}"
+        lines.append(text.rstrip("; "))
+    return "\n".join(lines)

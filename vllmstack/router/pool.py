@@ -1,0 +1,169 @@
+"""The engine pool's state, shared by the manager (engines), its switches (swaps) and its
+watch (watch): the engines, the queue of waiting requests, the switch under way, and the
+questions every part asks (is an engine servable, what would a switch put away)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable, Coroutine, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from vllmstack.core.errors import StackError
+from vllmstack.router.catalog import Catalog, Entry
+from vllmstack.router.limits import Limits
+from vllmstack.router.member import Member
+from vllmstack.router.plan import Arrangement, Plan, View, exclusive_plan
+from vllmstack.router.states import FAILED, Lifecycle, ModelStatus, Swap
+
+RECENT_SWAPS = 20
+# A swap waits this long for the old model's requests before it cuts them: long enough for any
+# ordinary answer (32k tokens at 60 t/s is under 10 minutes), short of holding the router for ever.
+DRAIN_TIMEOUT_S = 600.0
+
+Probe = Callable[[str], Coroutine[Any, Any, bool]]  # whether the engine at a URL answers /health
+Remember = Callable[[str, dict[str, Any]], None]  # keep a profile's measured figures
+
+
+@dataclass(eq=False)
+class Waiter:
+    """A request queued for its model: its future gets the engine's URL once granted."""
+
+    entry: Entry
+    arrived: float
+    seen: int  # failed loads of its model that had finished when it arrived
+    granted: asyncio.Future[str]
+    api: bool = False  # /v1/load: no client waits for an answer from the model
+
+
+
+class Pool:
+    """The pool's state: its engines, the queue, the switch under way (engines.EngineManager
+    acts on it; swaps and watch read and change it)."""
+
+    def __init__(self, catalog: Catalog, lifecycle: Lifecycle, *,
+                 say: Callable[[str], None] = lambda line: None,
+                 on_change: Callable[[], None] = lambda: None,
+                 clock: Callable[[], float] = time.monotonic,
+                 drain_timeout: float = DRAIN_TIMEOUT_S, limits: Limits | None = None,
+                 probe: Probe | None = None, plan: Plan | None = None,
+                 remember: Remember = lambda profile, figures: None) -> None:
+        self.catalog, self.lifecycle = catalog, lifecycle
+        # How long a swap or an unload waits for the requests on an engine that gives way (0: for
+        # ever); then it cuts them, so one stream that never ends cannot hold every model off.
+        self.drain_timeout = drain_timeout
+        self.limits = limits or Limits()
+        self.probe, self.say, self.on_change, self.clock = probe, say, on_change, clock
+        self.remember = remember
+        self.plan = plan or exclusive_plan([(e.id, e.profile) for e in catalog.entries.values()])
+        self.members = {e.id: Member(e, self.plan.needs[e.id].mode, self.plan.needs[e.id].why,
+                                     last_used=clock(), last_ok=clock())
+                        for e in catalog.entries.values()}
+        self.swaps: deque[Swap] = deque(maxlen=RECENT_SWAPS)
+        self.closing = False
+        self._queue: list[Waiter] = []
+        self._task: asyncio.Task[None] | None = None  # the switch under way
+        self._timer: asyncio.TimerHandle | None = None  # when a held-back swap is looked at again
+        # Finished loads per model: a request that saw one end in failure while it waited gets
+        # that failure; only a request arriving after it tries again.
+        self.attempts: dict[str, int] = {}
+        self.victims: frozenset[str] = frozenset()  # what the switch under way puts away
+        self.shown: Member | None = None  # the engine `loaded` names: the latest one brought up
+
+    @property
+    def waiters(self) -> list[Waiter]:
+        return list(self._queue)
+
+    # --- state --------------------------------------------------------------------------------
+
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
+
+    @property
+    def inflight(self) -> int:
+        return sum(m.inflight for m in self.members.values())
+
+    @property
+    def status(self) -> Mapping[str, ModelStatus]:
+        return {i: m.status for i, m in self.members.items()}
+
+    @property
+    def resident(self) -> Entry | None:
+        """The engine `loaded` names (the latest brought up, while it runs)."""
+        shown = self.shown
+        return shown.entry if shown is not None and shown.started else None
+
+    def member(self, entry: Entry) -> Member:
+        return self.members[entry.id]
+
+    def ready(self, entry: Entry) -> bool:
+        return self.members[entry.id].ready
+
+    def switching(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def views(self) -> list[View]:
+        """The engines that hold memory, as the plan sees them."""
+        return [m.view() for m in self.members.values() if m.started]
+
+    def arrange(self, entry: Entry) -> Arrangement:
+        return self.plan.arrange(entry.id, self.views(), self.clock())
+
+    def _due_against(self, member: Member, arrived: float) -> bool:
+        """A request for another model that came before `arrived` has waited its bound, and its
+        switch puts `member` away: requests for `member` arriving after it queue behind it."""
+        now = self.clock()
+        return any(not self.ready(w.entry) and w.arrived <= arrived
+                   and now - w.arrived >= self.limits.swap_wait
+                   and member.id in self.arrange(w.entry).put_away for w in self._queue)
+
+    def servable(self, entry: Entry, arrived: float | None = None) -> bool:
+        member = self.members[entry.id]
+        return (member.ready and not self.closing and member.id not in self.victims
+                and not self._due_against(member, self.clock() if arrived is None else arrived))
+
+    def _failed_since(self, waiter: Waiter) -> bool:
+        return self.attempts.get(waiter.entry.id, 0) > waiter.seen
+
+    def set_state(self, member: Member, state: str, error: StackError | None = None) -> None:
+        member.set(state, error)
+        self.on_change()
+
+    async def drain(self, member: Member, why: str) -> None:
+        """Wait for the requests on `member` to finish; past drain_timeout, cut them."""
+        if not member.inflight:
+            return
+        self.say(f"waiting for {member.inflight} request(s) on {member.id} to finish")
+        try:
+            await asyncio.wait_for(member.drained.wait(), self.drain_timeout or None)
+        except TimeoutError:
+            self.say(f"{member.inflight} request(s) on {member.id} still running after "
+                     f"{self.drain_timeout:g} s (--drain-timeout): cutting them")
+            self.cut_all(why, [member])
+            await member.drained.wait()
+
+    def cut_all(self, reason: str, members: list[Member] | None = None) -> int:
+        """Cut every request in flight (on `members`, default all) now; how many."""
+        holders = [cut for m in (members or list(self.members.values())) for cut in m.holders]
+        for cut in holders:
+            cut(reason)
+        return len(holders)
+
+    def engine_gone(self, entry: Entry, why: str) -> None:
+        """The engine stopped answering after it was ready (it crashed, or answers only
+        errors): the next request for it stops what is left of it and loads it again."""
+        member = self.members[entry.id]
+        if member.ready:
+            self.say(f"{entry.id}: the engine at {member.url} stopped answering ({why})")
+            self.set_state(member, FAILED, StackError(
+                f"the engine of {entry.id} stopped answering at {member.url} ({why})",
+                f"see its log (invoke logs, or generated/router/{entry.profile}.log); the next "
+                "request loads it again"))
+            self.schedule()
+
+    def schedule(self) -> None:
+        """Grant what can go and start the switch the queue needs (engines.EngineManager)."""
+        raise NotImplementedError

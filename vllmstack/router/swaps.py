@@ -1,0 +1,275 @@
+"""A switch, step by step (the pool's, engines.Pool): the engines that give way are
+drained, then put to sleep or stopped; the target is woken, or started with the share of the
+card the plan leaves it (checked against the card's free memory first); an engine's first,
+slow sleep is paid right after its load when no client waits (`prime`). After every sleep the
+card's own used memory says whether it was released (plan.judge_sleep); where it was not, the
+profile swaps by restart from then on, and the router's memory store keeps why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+from vllmstack.core.errors import StackError
+from vllmstack.router.catalog import Entry
+from vllmstack.router.member import Member
+from vllmstack.router.plan import GIB, MARGIN, RESTART, Arrangement, judge_sleep
+from vllmstack.router.pool import Pool, Waiter
+from vllmstack.router.states import (
+    ASLEEP,
+    FAILED,
+    LOADING,
+    READY,
+    SLEEPING,
+    UNLOADED,
+    UNLOADING,
+    WAKING,
+    Swap,
+)
+
+MIN_SHARE = 0.05  # vLLM's own lower bound for gpu_memory_utilization in the schema
+
+
+async def switch(pool: Pool, target: Entry | None, arrangement: Arrangement,
+                 reason: str, waiter: Waiter | None = None) -> None:
+    """Put away what the arrangement names, then bring `target` up (None: only put away)."""
+    member = pool.members[target.id] if target is not None else None
+    began = pool.clock()
+    first = (arrangement.sleep + arrangement.stop)[:1]
+    swap = Swap(first[0] if first else None, target.id if target else None, 0.0, 0.0, 0.0, True,
+                reason, asked_at=waiter.arrived if waiter else None)
+    pool.victims = arrangement.put_away
+    try:
+        if not arrangement.fits:
+            raise StackError(arrangement.why, "lower VLLM_GPU_MEM_UTIL of the profiles that run "
+                             "together, or let the router stop the others (ROUTER_SWAP=restart)")
+        why = f"to load {target.id}" if target is not None else f"({reason})"
+        for name in arrangement.sleep:
+            await put_away(pool, pool.members[name], swap, why, sleep_it=True)
+        for name in arrangement.stop:
+            await put_away(pool, pool.members[name], swap, why, sleep_it=False)
+        if member is None:
+            return
+        await bring_up(pool, member, arrangement, swap, waiter)
+    except Exception as exc:
+        error = exc if isinstance(exc, StackError) else StackError(
+            f"{type(exc).__name__}: {exc}", "see the router's log; this is a bug of the router")
+        swap.ok, swap.error = False, error.cause
+        if member is not None:
+            pool.attempts[member.id] = pool.attempts.get(member.id, 0) + 1
+            pool.set_state(member, FAILED, error)
+        pool.say(f"{'bringing up ' + member.id if member else 'unloading'} failed: {error.cause}"
+                 + (f"\n  fix: {error.fix}" if error.fix else ""))
+    finally:
+        pool.victims = frozenset()
+        swap.total_s = pool.clock() - began
+        pool.swaps.append(swap)
+        pool.on_change()
+
+
+async def put_away(pool: Pool, member: Member, swap: Swap, why: str, *,
+                   sleep_it: bool) -> None:
+    """Drain one engine that gives way, then sleep it (sleep mode, ready) or stop it; `why`
+    ends the reason a request cut by the drain timeout is given."""
+    sleeps = sleep_it and member.ready and member.sleeps
+    if member.ready:
+        action = f"puts {member.id} to sleep" if sleeps else f"unloads {member.id}"
+        await pool.drain(member, f"the router {action} {why}")
+    began = pool.clock()
+    if sleeps:
+        slept = await sleep(pool, member, stop_unreleased=True)
+        swap.sleep_s += pool.clock() - began
+        if slept:
+            swap.slept += (member.id,)
+            return
+        swap.stopped += (member.id,)
+        return
+    if member.started:
+        await stop(pool, member)
+        swap.stop_s += pool.clock() - began
+        swap.stopped += (member.id,)
+
+
+async def bring_up(pool: Pool, member: Member, arrangement: Arrangement, swap: Swap,
+                   waiter: Waiter | None) -> None:
+    entry = member.entry
+    if member.asleep:
+        await make_room(pool, member, None, swap, waking=True)
+        pool.shown = member
+        began = pool.clock()
+        try:
+            await wake(pool, member)
+            swap.wake_s = pool.clock() - began
+        except StackError as exc:
+            pool.say(f"{member.id} did not wake ({exc.cause}): stopping it and starting it anew")
+            await stop(pool, member)
+    if not member.ready:
+        if member.started:  # what is left of a failed engine goes first
+            began = pool.clock()
+            await stop(pool, member)
+            swap.stop_s += pool.clock() - began
+            swap.stopped += (member.id,)
+        util = await make_room(pool, member, arrangement.util, swap, waking=False)
+        member.started = True
+        pool.shown = member
+        pool.set_state(member, LOADING)
+        pool.say(f"loading {member.id} ({entry.profile}, {entry.engine}, {member.mode}"
+                 + (f", gpu_memory_utilization {util:g}" if util is not None else "") + ")")
+        began = pool.clock()
+        try:
+            loaded = await asyncio.to_thread(pool.lifecycle.load, entry, util, member.sleeps)
+        except BaseException:
+            member.started = False  # `up` stops an engine that failed to boot
+            raise
+        finally:
+            swap.start_s = pool.clock() - began
+        member.url, member.util = loaded.url, util if util is not None else member.util
+        member.load_s = swap.start_s
+        swap.boot_s, swap.warmup_s, swap.util = loaded.boot_s, loaded.warmup_s, util
+        pool.set_state(member, READY)
+        clients = any(w.entry is entry and not w.api for w in pool.waiters)
+        if member.sleeps and not member.primed and not clients:
+            await pay_first_sleep(pool, member, swap)
+    now = pool.clock()
+    member.last_used = member.last_ok = member.ready_at = now
+    member.errors = 0
+    member.swap = swap if swap.asked_at is not None else None
+    pool.shown = member
+    pool.say(f"{member.id} is ready at {member.url} (" + ", ".join(
+        f"{k} {v:.2f} s" for k, v in (("sleep", swap.sleep_s), ("stop", swap.stop_s),
+                                      ("wake", swap.wake_s), ("start", swap.start_s)) if v) + ")")
+
+
+async def make_room(pool: Pool, member: Member, util: float | None, swap: Swap, *,
+                    waking: bool) -> float | None:
+    """The card's free memory now, against what the engine asks: a start's share is lowered to
+    what is free (down to its weights' need), else sleeping engines are stopped (the policy's
+    least wanted first); not enough even then is an error naming the numbers."""
+    plan, need = pool.plan, pool.plan.needs[member.id]
+    if plan.card is None or plan.exclusive:
+        return util
+    while True:
+        cards = await asyncio.to_thread(pool.lifecycle.memory)
+        if not cards:
+            return util
+        used = cards[:max(1, need.gpus)]
+        total, free = min(c.total_bytes for c in used), min(c.free_bytes for c in used)
+        share = util if util is not None else need.util
+        want = (int(total * (member.util or share)) - (member.residue or need.residue)
+                if waking else int(total * share))
+        if free - MARGIN >= want:
+            return util
+        room = int((free - MARGIN) / total * 1000) / 1000
+        if not waking and room >= MIN_SHARE and room * total >= need.floor:
+            pool.say(f"{member.id}: {free / GIB:.1f} GiB free on the card: starting it with "
+                     f"gpu_memory_utilization {room:g} instead of {share:g}")
+            return room
+        asleep = [m for m in pool.members.values() if m.asleep and m is not member]
+        if not asleep:
+            raise StackError(
+                f"not enough free GPU memory to {'wake' if waking else 'start'} {member.id}: "
+                f"{free / GIB:.1f} GiB free of {total / GIB:.1f} GiB, it needs {want / GIB:.1f} "
+                "GiB (and the router's other engines are stopped or needed)",
+                "stop what else uses the GPU (nvidia-smi / amd-smi), or lower VLLM_GPU_MEM_UTIL "
+                f"of {member.entry.profile}")
+        victim = pool.members[plan.order([m.view() for m in asleep], pool.clock())[0].id]
+        pool.say(f"stopping the sleeping {victim.id} to make room for {member.id}")
+        began = pool.clock()
+        await stop(pool, victim)
+        swap.stop_s += pool.clock() - began
+        swap.stopped += (victim.id,)
+
+
+async def sleep(pool: Pool, member: Member, *, stop_unreleased: bool) -> bool:
+    """Put a ready engine to sleep (level 1) and check the card released its memory. False when
+    it did not (or the sleep failed): the profile swaps by restart from now on, and the engine is
+    stopped (`stop_unreleased`) or woken again."""
+    entry = member.entry
+    pool.set_state(member, SLEEPING)
+    try:
+        slept = await asyncio.to_thread(pool.lifecycle.sleep, entry)
+    except StackError as exc:
+        fall_back(pool, member, f"its sleep failed: {exc.cause}")
+        await stop(pool, member)
+        return False
+    verdict = judge_sleep(pool.plan, member.id, member.util, slept.before, slept.after)
+    if not verdict.released:
+        fall_back(pool, member, f"its sleep did not release the GPU memory: {verdict.text}")
+        if stop_unreleased:
+            await stop(pool, member)
+        else:
+            pool.set_state(member, ASLEEP)
+            await wake(pool, member)
+        return False
+    if verdict.residue is not None:
+        member.residue = verdict.residue
+        pool.plan.needs[member.id] = replace(pool.plan.needs[member.id], residue=verdict.residue,
+                                             measured=True)
+        pool.remember(entry.profile, {"residue_bytes": verdict.residue, "util": member.util})
+    first = not member.primed
+    member.primed = True
+    pool.set_state(member, ASLEEP)
+    pool.say(f"{member.id} asleep after {slept.seconds:.2f} s"
+             + (" (its first sleep)" if first else "") + f"; {verdict.text}")
+    return True
+
+
+def fall_back(pool: Pool, member: Member, why: str) -> None:
+    pool.say(f"warning: {member.id}: {why}; it swaps by restart from now on")
+    member.mode, member.why = RESTART, why
+    pool.plan.needs[member.id] = replace(pool.plan.needs[member.id], mode=RESTART, why=why)
+    pool.remember(member.entry.profile, {"fallback": why})
+
+
+async def wake(pool: Pool, member: Member) -> None:
+    pool.set_state(member, WAKING)
+    seconds = await asyncio.to_thread(pool.lifecycle.wake, member.entry)
+    member.last_ok = pool.clock()
+    pool.set_state(member, READY)
+    pool.say(f"{member.id} awake after {seconds:.2f} s")
+
+
+async def pay_first_sleep(pool: Pool, member: Member, swap: Swap) -> None:
+    """Sleep and wake once: vLLM pins its host buffers at the first sleep (12 s for an 8B, 41 s
+    for a 27B), so no swap later pays for it."""
+    began = pool.clock()
+    if await sleep(pool, member, stop_unreleased=False):
+        swap.sleep_s += pool.clock() - began
+        woke = pool.clock()
+        await wake(pool, member)
+        swap.wake_s += pool.clock() - woke
+
+
+async def prime(pool: Pool, member: Member) -> None:
+    """In the background, while the engine is idle: its first sleep (see pay_first_sleep)."""
+    swap = Swap(None, member.id, 0.0, 0.0, 0.0, True, "prime")
+    began = pool.clock()
+    pool.victims = frozenset({member.id})
+    try:
+        await pay_first_sleep(pool, member, swap)
+    except StackError as exc:
+        swap.ok, swap.error = False, exc.cause
+        pool.set_state(member, FAILED, exc)
+        pool.say(f"{member.id}: its first sleep failed: {exc.cause}")
+    finally:
+        pool.victims = frozenset()
+        swap.total_s = pool.clock() - began
+        pool.swaps.append(swap)
+        pool.on_change()
+
+
+async def stop(pool: Pool, member: Member) -> None:
+    """Stop an engine, awake or asleep (`invoke down` for its profile's engine)."""
+    pool.set_state(member, UNLOADING)
+    pool.say(f"unloading {member.id} ({member.entry.profile})")
+    try:
+        await asyncio.to_thread(pool.lifecycle.unload, member.entry)
+    except StackError as exc:
+        pool.set_state(member, FAILED, exc)
+        raise StackError(f"{member.id} could not be stopped: {exc.cause}", exc.fix) from exc
+    member.started, member.url, member.util, member.swap = False, None, None, None
+    member.adopted = False
+    if pool.shown is member:
+        pool.shown = None
+    pool.set_state(member, UNLOADED)
