@@ -399,6 +399,13 @@ def test_router_serves_two_real_profiles_one_at_a_time(stack: Stack) -> None:
         assert health["loaded"] == "tiny-b" and health["models"]["tiny"]["state"] == "unloaded"
         swap = health["swaps"][-1]
         assert (swap["unloaded"], swap["loaded"], swap["ok"]) == ("tiny", "tiny-b", True)
+        # Issue 21: on the CPU, auto swaps by restart (vLLM sleeps on CUDA and ROCm only): the
+        # old engine was stopped, not put to sleep, and each profile had an engine of its own.
+        assert (swap["stopped"], swap["slept"], swap["wake_s"]) == (["tiny"], [], 0)
+        engines = health["engines"]
+        assert engines["tiny"]["swap"] == engines["tiny-b"]["swap"] == "restart"
+        assert "no vLLM sleep mode with GPU_VENDOR=none" in engines["tiny"]["why"]
+        assert health["asleep"] == [] and engines["tiny"]["url"] is None
     finally:
         router.terminate()
         output, _ = router.communicate(timeout=180)

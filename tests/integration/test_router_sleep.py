@@ -188,6 +188,8 @@ def test_sigterm_leaves_no_engine_awake_or_asleep(tmp_path: Path, routers: list[
     assert router.chat("sim-b").status_code == 200
     health = router.health()
     assert (health["awake"], health["asleep"]) == (["sim-b"], ["sim-a"])
+    models = router.models()  # what clients read: asleep beside ready
+    assert (models["sim-a"]["state"], models["sim-b"]["state"]) == ("asleep", "ready")
     assert len({p for p in engine_processes(root)}) == 2
     assert router.stop(signal.SIGTERM) == 0
     assert engine_processes(root) == []

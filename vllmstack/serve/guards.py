@@ -123,12 +123,15 @@ def stop_services(units: list[str], runner: Runner, out: TextIO) -> None:
 
 
 def wait_gpu_settled(probe: GpuProbe, timeout: float, sleep: Callable[[float], None] = time.sleep,
-                     clock: Callable[[], float] = time.monotonic) -> int | None:
+                     clock: Callable[[], float] = time.monotonic, *, interval: float = 1.0,
+                     steady_for: int = 5) -> int | None:
     """After stopping another engine: wait until used GPU memory stops falling (its teardown is
-    over), at most `timeout` s. Returns the bytes in use then (None: no GPU to read)."""
+    over: `steady_for` readings `interval` s apart that do not fall), at most `timeout` s.
+    Returns the bytes in use then (None: no GPU to read)."""
     start, last, steady = clock(), total_used(probe.memory()), 0
-    while last is not None and last > RELEASE_SLACK and clock() - start < timeout and steady < 5:
-        sleep(1.0)
+    while last is not None and last > RELEASE_SLACK and clock() - start < timeout \
+            and steady < steady_for:
+        sleep(interval)
         now = total_used(probe.memory())
         steady = steady + 1 if now is not None and now >= last else 0
         last = now

@@ -311,8 +311,9 @@ def _down(stack: Stack, *, timeout: float, dry_run: bool) -> bool:
                  if isinstance(b := previous.get("gpu_used_before"), int)]
     if answering_others(stack.project, stack.slot, frozenset()):
         # Other engines of the checkout still run (the router stops one of its several): the
-        # memory in use before this one started says nothing now; wait until it stops falling.
-        used = wait_gpu_settled(stack.probe, timeout)
+        # memory in use before this one started says nothing now; wait until it stops falling
+        # (its processes have ended: the driver frees their memory within a moment).
+        used = wait_gpu_settled(stack.probe, timeout, interval=0.5, steady_for=2)
         released = True
     else:
         baseline = min(baselines) if baselines else None

@@ -249,17 +249,31 @@ async function pollRouter() {
       setText("router-queue", `${r.queue ?? 0} / ${r.inflight ?? 0}`);
       const models = Object.entries(r.models || {}).map(([id, m]) => `${id}: ${m.state}`);
       setText("router-models", models.join(", ") || "–");
-      const body = $("router-swaps");
-      body.replaceChildren(...(r.swaps || []).slice(-5).reverse().map((s) => {
-        const row = document.createElement("tr");
-        for (const cell of [`${s.unloaded || "–"} → ${s.loaded}`, (s.stop_s ?? 0).toFixed(1),
-                            (s.start_s ?? 0).toFixed(1), s.ok ? "yes" : (s.error || "no")]) {
+      const plan = r.plan || {};
+      setText("router-plan", plan.card_gib
+        ? `${plan.card_gib} GiB card, ${plan.capacity_gib} GiB for engines; asleep may hold ` +
+          `${plan.host_limit_gib} GiB of host RAM; evict ${plan.policy}`
+        : (plan.exclusive ? "one engine at a time" : "–"));
+      const row = (cells) => {
+        const tr = document.createElement("tr");
+        for (const cell of cells) {
           const td = document.createElement("td");
           td.textContent = cell;
-          row.appendChild(td);
+          tr.appendChild(td);
         }
-        return row;
-      }));
+        return tr;
+      };
+      const secs = (v) => (v === null || v === undefined) ? "–" : Number(v).toFixed(2);
+      // Per engine: awake or asleep, how it swaps, what it holds on the card and in host RAM.
+      $("router-engines").replaceChildren(...Object.entries(r.engines || {})
+        .filter(([, e]) => e.state !== "unloaded")
+        .map(([id, e]) => row([id, e.state === "ready" ? "awake" : e.state, e.swap,
+                               e.gpu_gib ?? "–", e.host_gib ?? "–"])));
+      // The last swaps with their split: sleep (what gave way), stop, wake or load, first answer.
+      $("router-swaps").replaceChildren(...(r.swaps || []).slice(-5).reverse().map((s) =>
+        row([`${s.unloaded || "–"} → ${s.loaded || "–"}` + (s.reason === "prime" ? " (first sleep)" : ""),
+             secs(s.sleep_s), secs(s.stop_s), secs(s.wake_s), secs(s.start_s), secs(s.first_s),
+             s.ok ? "yes" : (s.error || "no")])));
     }
   } catch (_) { $("card-router").hidden = true; }
   setTimeout(pollRouter, 5000);
