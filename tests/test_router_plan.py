@@ -358,3 +358,42 @@ def test_requests_for_an_engine_going_to_sleep_wait_for_its_wake() -> None:
         manager.release(A)
 
     run(go)
+
+
+def test_an_idle_sleeping_engine_is_stopped_after_its_ttl(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllmstack.router import engines
+
+    monkeypatch.setattr(engines, "IDLE_POLL_S", 0.02)
+    card = FakeCard(40 * GIB)
+    short = entry("short", ttl=0.3)
+
+    async def go() -> None:
+        manager, _ = sleeping_pool(card, short, B)
+        await manager.load(short, 5)
+        await manager.load(B, 5)  # short sleeps beside b
+        assert manager.members["short"].asleep
+        idle = asyncio.create_task(manager.idle_loop())
+        await asyncio.sleep(0.8)
+        idle.cancel()
+        assert manager.members["short"].state == "unloaded" and "short" not in card.held
+        assert manager.swaps[-1].reason == "idle" and manager.members["b"].ready
+
+    run(go)
+
+
+def test_the_stand_in_card_counts_only_live_processes(tmp_path: Path) -> None:
+    import os
+    import subprocess
+
+    from vllmstack.runtime.gpu import StandinProbe, total_used
+
+    (tmp_path / "total").write_text(f"{16 * GIB}\n")
+    (tmp_path / f"{os.getpid()}.used").write_text(f"{3 * GIB}\n")
+    dead = subprocess.Popen(["true"])  # a pid that no longer runs (reaped)
+    dead.wait()
+    (tmp_path / f"{dead.pid}.used").write_text(f"{5 * GIB}\n")
+    (tmp_path / "notes.used").write_text("not a pid\n")
+    memory = StandinProbe(tmp_path).memory()
+    assert memory is not None
+    assert (memory[0].total_bytes, total_used(memory)) == (16 * GIB, 3 * GIB)
+    assert StandinProbe(tmp_path / "none").memory() is None  # no `total`: no reading

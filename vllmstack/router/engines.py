@@ -144,6 +144,7 @@ class EngineManager(Pool):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        due = self.due()
         for waiter in list(self._queue):
             if waiter.granted.done():
                 self._queue.remove(waiter)
@@ -154,7 +155,7 @@ class EngineManager(Pool):
                 error = self.members[waiter.entry.id].status.error or {}
                 waiter.granted.set_exception(LoadFailedError(
                     error.get("cause", f"{waiter.entry.id} did not load"), error.get("fix") or None))
-            elif self.servable(waiter.entry, waiter.arrived):
+            elif self.servable(waiter.entry, waiter.arrived, due):
                 waiter.granted.set_result(self._grant(self.members[waiter.entry.id]))
             else:
                 continue
@@ -168,11 +169,11 @@ class EngineManager(Pool):
         giving = [self.members[i] for i in arrangement.put_away if self.members[i].ready]
         if giving:
             now = self.clock()
-            due = oldest.arrived + self.limits.swap_wait
+            bound = oldest.arrived + self.limits.swap_wait
             idle = (max(m.last_request for m in giving) + self.limits.swap_grace
                     if all(m.inflight == 0 for m in giving) else math.inf)
-            if now < min(due, idle):
-                self._timer = asyncio.get_running_loop().call_later(min(due, idle) - now,
+            if now < min(bound, idle):
+                self._timer = asyncio.get_running_loop().call_later(min(bound, idle) - now,
                                                                     self.schedule)
                 return
         self.start(swaps.switch(self, oldest.entry, arrangement, "request", oldest))

@@ -112,18 +112,29 @@ class Pool:
     def arrange(self, entry: Entry) -> Arrangement:
         return self.plan.arrange(entry.id, self.views(), self.clock())
 
-    def _due_against(self, member: Member, arrived: float) -> bool:
-        """A request for another model that came before `arrived` has waited its bound, and its
-        switch puts `member` away: requests for `member` arriving after it queue behind it."""
-        now = self.clock()
-        return any(not self.ready(w.entry) and w.arrived <= arrived
-                   and now - w.arrived >= self.limits.swap_wait
-                   and member.id in self.arrange(w.entry).put_away for w in self._queue)
+    def due(self) -> list[tuple[float, frozenset[str]]]:
+        """The switches that are due: per model whose oldest waiter has waited ROUTER_SWAP_WAIT,
+        that waiter's arrival and what its switch puts away (one plan per model, not per
+        request: the queue can hold thousands)."""
+        now, oldest = self.clock(), dict[str, Waiter]()
+        for waiter in self._queue:
+            if now - waiter.arrived >= self.limits.swap_wait and not self.ready(waiter.entry):
+                first = oldest.get(waiter.entry.id)
+                if first is None or waiter.arrived < first.arrived:
+                    oldest[waiter.entry.id] = waiter
+        return [(w.arrived, self.arrange(w.entry).put_away) for w in oldest.values()]
 
-    def servable(self, entry: Entry, arrived: float | None = None) -> bool:
+    def servable(self, entry: Entry, arrived: float | None = None,
+                 due: list[tuple[float, frozenset[str]]] | None = None) -> bool:
+        """Whether a request for `entry` (arrived at `arrived`) may go to its engine now: it is
+        ready, not being put away, and no due switch that came earlier puts it away (requests
+        for it arriving after that switch's request queue behind it)."""
         member = self.members[entry.id]
-        return (member.ready and not self.closing and member.id not in self.victims
-                and not self._due_against(member, self.clock() if arrived is None else arrived))
+        if not member.ready or self.closing or member.id in self.victims:
+            return False
+        when = self.clock() if arrived is None else arrived
+        return not any(first <= when and member.id in away
+                       for first, away in (self.due() if due is None else due))
 
     def _failed_since(self, waiter: Waiter) -> bool:
         return self.attempts.get(waiter.entry.id, 0) > waiter.seen
