@@ -397,3 +397,25 @@ def test_the_stand_in_card_counts_only_live_processes(tmp_path: Path) -> None:
     assert memory is not None
     assert (memory[0].total_bytes, total_used(memory)) == (16 * GIB, 3 * GIB)
     assert StandinProbe(tmp_path / "none").memory() is None  # no `total`: no reading
+
+
+def test_a_sleep_that_fails_keeps_the_engine_and_restarts_it_only_until_it_stops() -> None:
+    class NoDevMode(FakeCard):
+        def sleep(self, entry: Entry) -> Slept:
+            self.calls.append(("sleep", entry.id))
+            raise StackError("the engine of a answered 404 to POST /sleep?level=1")
+
+    card = NoDevMode(40 * GIB)
+
+    async def go() -> None:
+        manager, remembered = sleeping_pool(card, A, B)
+        await manager.load(A, 5)  # its first sleep fails: a stays awake and serves
+        member = manager.members["a"]
+        assert member.ready and member.mode == RESTART and member.temporary
+        assert remembered == []  # not the card's doing: nothing kept for later routers
+        await manager.acquire(B, 5)  # a is stopped, not put to sleep
+        manager.release(B)
+        assert ("unload", "a") in card.calls and member.state == "unloaded"
+        assert member.mode == SLEEP and not member.temporary  # sleeps from its next start
+
+    run(go)

@@ -41,7 +41,7 @@ from vllmstack.core.errors import StackError
 from vllmstack.router import swaps, watch
 from vllmstack.router.catalog import Entry
 from vllmstack.router.member import Cut, Member
-from vllmstack.router.plan import Arrangement
+from vllmstack.router.plan import RESTART, Arrangement
 from vllmstack.router.pool import DRAIN_TIMEOUT_S, Pool, Waiter
 from vllmstack.router.states import (
     ASLEEP,
@@ -78,6 +78,10 @@ class EngineManager(Pool):
             member.url, member.util, member.adopted, member.started = (
                 adopted.url, adopted.util, True, True)
             member.primed = adopted.asleep  # an engine that slept has paid its first sleep
+            if member.sleeps and not adopted.sleep_mode:
+                member.mode, member.temporary = RESTART, True
+                member.why = ("adopted, started without sleep mode: it restarts until it is "
+                              "stopped, then sleeps from its next start")
             member.last_used = member.last_ok = self.clock()
             self.set_state(member, ASLEEP if adopted.asleep else READY)
             self.shown = member if not adopted.asleep else self.shown or member

@@ -40,6 +40,7 @@ class Member:
     swap: Swap | None = None  # the swap that made it ready, until its first answer is seen
     started: bool = False  # its process runs (from a load's start until it is stopped)
     ready_at: float = 0.0  # when the last swap made it ready (monotonic)
+    temporary: bool = False  # its restart mode holds only until it is stopped
 
     def __post_init__(self) -> None:
         self.drained.set()

@@ -190,8 +190,9 @@ class StackLifecycle:
                 continue
             with self.stack(entry) as stack:
                 if stack.engine.state().running and health_status(entry.url) == 200:
-                    found.append(Adopted(entry, entry.url, is_sleeping(entry.url) is True,
-                                         recorded_util(state)))
+                    sleeping = is_sleeping(entry.url)
+                    found.append(Adopted(entry, entry.url, sleeping is True,
+                                         recorded_util(state), sleeping is not None))
         return found
 
 

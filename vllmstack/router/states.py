@@ -53,6 +53,7 @@ class Adopted:
     url: str
     asleep: bool = False
     util: float | None = None
+    sleep_mode: bool = True  # started able to sleep (its dev-mode /is_sleeping answers)
 
 
 class Lifecycle(Protocol):

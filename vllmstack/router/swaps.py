@@ -190,8 +190,13 @@ async def sleep(pool: Pool, member: Member, *, stop_unreleased: bool) -> bool:
     try:
         slept = await asyncio.to_thread(pool.lifecycle.sleep, entry)
     except StackError as exc:
-        fall_back(pool, member, f"its sleep failed: {exc.cause}")
-        await stop(pool, member)
+        # Not the card's doing (an engine started without sleep mode, a dev endpoint that did
+        # not answer): restart until this engine is stopped, and nothing kept in the store.
+        fall_back(pool, member, f"its sleep failed: {exc.cause}", keep=False)
+        if stop_unreleased:
+            await stop(pool, member)
+        else:
+            pool.set_state(member, READY)
         return False
     verdict = judge_sleep(pool.plan, member.id, member.util, slept.before, slept.after)
     if not verdict.released:
@@ -215,11 +220,16 @@ async def sleep(pool: Pool, member: Member, *, stop_unreleased: bool) -> bool:
     return True
 
 
-def fall_back(pool: Pool, member: Member, why: str) -> None:
-    pool.say(f"warning: {member.id}: {why}; it swaps by restart from now on")
+def fall_back(pool: Pool, member: Member, why: str, *, keep: bool = True) -> None:
+    """Restart instead of sleep for this profile: for good, kept in the store (`keep`: the card
+    did not release the memory), or only until this engine is stopped."""
+    pool.say(f"warning: {member.id}: {why}; it swaps by restart "
+             + ("from now on" if keep else "until it is started again"))
     member.mode, member.why = RESTART, why
-    pool.plan.needs[member.id] = replace(pool.plan.needs[member.id], mode=RESTART, why=why)
-    pool.remember(member.entry.profile, {"fallback": why})
+    member.temporary = not keep
+    if keep:
+        pool.plan.needs[member.id] = replace(pool.plan.needs[member.id], mode=RESTART, why=why)
+        pool.remember(member.entry.profile, {"fallback": why})
 
 
 async def wake(pool: Pool, member: Member) -> None:
@@ -270,6 +280,9 @@ async def stop(pool: Pool, member: Member) -> None:
         raise StackError(f"{member.id} could not be stopped: {exc.cause}", exc.fix) from exc
     member.started, member.url, member.util, member.swap = False, None, None, None
     member.adopted = False
+    if member.temporary:  # started anew, it sleeps as its profile says
+        need = pool.plan.needs[member.id]
+        member.mode, member.why, member.temporary = need.mode, need.why, False
     if pool.shown is member:
         pool.shown = None
     pool.set_state(member, UNLOADED)
