@@ -419,3 +419,28 @@ def test_a_sleep_that_fails_keeps_the_engine_and_restarts_it_only_until_it_stops
         assert member.mode == SLEEP and not member.temporary  # sleeps from its next start
 
     run(go)
+
+
+def test_a_load_a_client_waits_for_pays_its_first_sleep_once_idle(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllmstack.router import engines
+
+    monkeypatch.setattr(engines, "IDLE_POLL_S", 0.02)
+    monkeypatch.setattr(engines, "PRIME_IDLE_S", 0.2)
+    card = FakeCard(40 * GIB)
+
+    async def go() -> None:
+        manager, _ = sleeping_pool(card, A, B)
+        idle = asyncio.create_task(manager.idle_loop())
+        await manager.acquire(A, 5)  # the client is served first: no sleep before its answer
+        assert card.calls == [("load", "a")] and not manager.members["a"].primed
+        await asyncio.sleep(0.4)  # still streaming: nothing happens under a request
+        assert card.calls == [("load", "a")]
+        manager.release(A)
+        await asyncio.sleep(0.5)  # idle for PRIME_IDLE_S: the first sleep is paid now
+        idle.cancel()
+        assert card.calls == [("load", "a"), ("sleep", "a"), ("wake", "a")]
+        assert manager.members["a"].primed and manager.members["a"].ready
+        assert manager.swaps[-1].reason == "prime"
+
+    run(go)
