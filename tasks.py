@@ -337,12 +337,14 @@ report = bench_task("report")
     "backend": "llamacpp: cpu, cuda, rocm or vulkan (default: the platform's)",
     "jobs": "llamacpp: parallel compile jobs (default: every core)",
     "cuda_arch": "llamacpp --backend cuda: CMAKE_CUDA_ARCHITECTURES, e.g. 90 (default: native)",
-    "force": "replace an environment or build that is already installed"})
+    "force": "replace an environment or build that is already installed",
+    "from_image": "vllm: the wheel invoke build --platform cpu compiled, out of this image",
+    "wheel": "vllm: that wheel from a file"})
 def install_engine(c: Context, engine: str = "vllm", version: Opt = None, platform: Opt = None,
                    wheels: Opt = None, index_deps: bool = False, python: Opt = None,
                    system_site_packages: bool = False, backend: Opt = None, jobs: int = 0,
                    cuda_arch: Opt = None, force: bool = False, dry_run: bool = False,
-                   json: bool = False) -> None:
+                   json: bool = False, from_image: Opt = None, wheel: Opt = None) -> None:
     """Install the native runtime's engine: vLLM's environment, or llama-server built from source."""
     if engine == "llamacpp":
         from vllmstack.runtime.native import llamacpp_install
@@ -354,11 +356,13 @@ def install_engine(c: Context, engine: str = "vllm", version: Opt = None, platfo
         if not dry_run:
             print(llamacpp_install.render_build(folder))
         return
-    from vllmstack.runtime.native import install
+    from vllmstack.runtime.native import cpu_build, install
 
+    runner, resolved = _runner(dry_run), _resolve(None, platform, None)
+    built = cpu_build.built_wheel_from(runner, resolved, project := _project(), from_image, wheel)
     report = install.install_engine(
-        project := _project(), _runner(dry_run), engine=engine,
-        version=version or install.engine_version(_resolve(None, platform, None)),
+        project, runner, engine=engine, built=built, docker=resolved.get_str("DOCKER"),
+        version=built.version if built else version or install.engine_version(resolved),
         wheels=Path(wheels).expanduser() if wheels else None, index_deps=index_deps,
         force=force, python=python or sys.executable, environ=os.environ,
         out=sys.stderr if json else sys.stdout, stream=not json,

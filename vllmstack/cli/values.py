@@ -208,7 +208,7 @@ OPTIONS: dict[str, Value] = {
     "token": text("a token", "$(openssl rand -hex 32)", empty=False),
     # files and folders
     "file": PATH, "out": PATH, "model_dir": PATH, "wheels": PATH, "python": PATH,
-    "tokenizer": PATH,
+    "tokenizer": PATH, "wheel": PATH, "from_image": text("an image", "localhost/vllm-cpu:src"),
     # words another layer checks against its own list, with its own error
     "service": choice(("vllm", "dashboard")), "engine": choice(("vllm", "llamacpp")),
     "backend": WORD, "version": WORD, "cuda_arch": WORD, "preset": WORD, "outtype": WORD,

