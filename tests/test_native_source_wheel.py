@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import base64
+import csv
 import hashlib
 import io
 import json
@@ -32,7 +33,7 @@ from vllmstack.runtime.native.install import (
     read_manifest,
     render_install,
 )
-from vllmstack.runtime.native.wheels import WheelError
+from vllmstack.runtime.native.wheels import WheelError, check_built_wheel
 
 PY = "/usr/bin/python3.11"
 IMAGE = "localhost/vllm-cpu:src"
@@ -222,6 +223,18 @@ def test_a_wheel_for_another_python_is_refused_before_the_environment(project: P
     assert not engine_dir(project, VERSION).exists()
 
 
+def test_a_wheel_that_needs_a_newer_c_library_is_refused_before_pip(tmp_path: Path) -> None:
+    wheel = tmp_path / WHEEL
+    with zipfile.ZipFile(wheel, "w") as archive:  # what trixie's gcc and libc leave in _C
+        archive.writestr("vllm/_C.abi3.so", b"\x7fELF\0GLIBC_2.2.5\0GLIBC_2.38\0GLIBC_2.34\0")
+        archive.writestr("vllm/spinloop.abi3.so", b"\x7fELF\0GLIBC_2.17\0")
+    with pytest.raises(WheelError) as err:
+        check_built_wheel(wheel, VERSION, (3, 11), (2, 36))
+    assert "vllm/_C.abi3.so" in err.value.cause and "GLIBC 2.38; this host has 2.36" in err.value.cause
+    assert "invoke up --platform cpu" in (err.value.fix or "")
+    check_built_wheel(wheel, VERSION, (3, 11), (2, 41))  # a newer host: fine
+
+
 def test_dry_run_inspects_the_image_and_makes_nothing(project: Project) -> None:
     runner = built_host(project)
     runner.dry_run = True  # the real runner runs only the read-only commands (inspect, python -c)
@@ -243,14 +256,19 @@ def record_hash(data: bytes) -> str:
 
 def make_wheel(folder: Path) -> Path:
     files = {"demo/__init__.py": b"VALUE = 1\n", "demo/_C.so": b"\x7fELF not really",
+             # vLLM's tuned configs have commas in their names: RECORD is CSV and quotes them
+             "demo/configs/N=7168,K=256,dtype=fp8.json": b"{}\n",
              "demo-1.0+cpu.p12345678.dist-info/METADATA":
                  b"Metadata-Version: 2.1\nName: demo\nVersion: 1.0+cpu.p12345678\n",
              "demo-1.0+cpu.p12345678.dist-info/WHEEL":
                  b"Wheel-Version: 1.0\nRoot-Is-Purelib: false\nTag: py3-none-any\n",
              "demo-1.0+cpu.p12345678.dist-info/entry_points.txt":
                  b"[console_scripts]\ndemo = demo:main\n"}
-    record = "".join(f"{n},{record_hash(d)},{len(d)}\n" for n, d in files.items())
-    record += "demo-1.0+cpu.p12345678.dist-info/RECORD,,\n"
+    text = io.StringIO()
+    csv.writer(text, lineterminator="\n").writerows(
+        [*((n, record_hash(d), len(d)) for n, d in files.items()),
+         ("demo-1.0+cpu.p12345678.dist-info/RECORD", "", "")])
+    record = text.getvalue()
     wheel = folder / "demo-1.0+cpu.p12345678-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as archive:
         for name, data in files.items():
@@ -288,8 +306,9 @@ def test_repack_gives_back_the_installed_wheel_file_for_file(tmp_path: Path) -> 
             if not name.endswith("RECORD"):
                 assert a.read(name) == b.read(name), name
         record = b.read("demo-1.0+cpu.p12345678.dist-info/RECORD").decode()
-        for line in record.splitlines()[:-1]:
-            path, digest, size = line.split(",")
+        rows = list(csv.reader(io.StringIO(record)))
+        assert len(rows) == len(a.namelist())
+        for path, digest, size in rows[:-1]:
             assert digest == record_hash(b.read(path)) and int(size) == len(b.read(path))
 
 

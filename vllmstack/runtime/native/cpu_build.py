@@ -170,7 +170,7 @@ BUILT_WHEELS = "built-wheels"  # under .cache: the wheels copied out of built im
 # pip's RECORD holds, so the wheel has exactly the bytes the image serves with. Left out: what pip
 # made at install (bytecode, the console scripts, INSTALLER/REQUESTED/direct_url.json, RECORD).
 REPACK_SCRIPT = r'''
-import base64, hashlib, importlib.metadata, json, os, sys, zipfile
+import base64, csv, hashlib, importlib.metadata, io, json, os, sys, zipfile
 dist = importlib.metadata.distribution(sys.argv[1])
 files = dist.files or []
 info = next((f.parts[0] for f in files if f.parts[0].endswith(".dist-info")), None)
@@ -208,9 +208,11 @@ with zipfile.ZipFile(os.path.join(sys.argv[2], name), "w", zipfile.ZIP_DEFLATED)
         item.external_attr = (os.stat(f.locate()).st_mode & 0xFFFF) << 16
         item.compress_type = zipfile.ZIP_DEFLATED
         wheel.writestr(item, data)
-        record.append("%s,sha256=%s,%d" % (path, digest, len(data)))
-    record.append("%s/RECORD,," % info)
-    wheel.writestr("%s/RECORD" % info, "\n".join(record) + "\n")
+        record.append((path, "sha256=" + digest, str(len(data))))
+    record.append(("%s/RECORD" % info, "", ""))
+    text = io.StringIO()  # CSV: vLLM's tuned-config names hold commas
+    csv.writer(text, lineterminator="\n").writerows(record)
+    wheel.writestr("%s/RECORD" % info, text.getvalue())
 print(json.dumps({"wheel": name, "version": dist.version, "files": len(record)}))
 '''
 

@@ -17,6 +17,7 @@ FILE` install the wheel `invoke build --platform cpu` compiled (X.Y.Z+cpu.p<patc
 from __future__ import annotations
 
 import json
+import platform
 import re
 import shutil
 import time
@@ -261,7 +262,7 @@ def install_engine(
     if built is not None and built.image:
         built.path = copy_wheel_out(runner, docker, built, project.cache / BUILT_WHEELS, say)
     if built is not None and built.path is not None and not dry_run:
-        check_built_wheel(built.path, built.version, py)
+        check_built_wheel(built.path, built.version, py, host_glibc())
     created = runner.run([python, "-m", "venv", *(["--system-site-packages"] if system_site_packages
                                                    else []), str(folder)], timeout=600)
     if not created.ok:
@@ -331,6 +332,13 @@ def install_engine(
     report.seconds = time.monotonic() - started
     write_manifest(folder, report, wheel)
     return report
+
+
+def host_glibc() -> tuple[int, int] | None:
+    """This host's C library version (None where it is not glibc)."""
+    name, version = platform.libc_ver()
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return (int(match[1]), int(match[2])) if name == "glibc" and match else None
 
 
 def write_manifest(folder: Path, report: InstallReport, wheel: Wheel | None) -> None:

@@ -5,6 +5,7 @@ wheel with these."""
 from __future__ import annotations
 
 import re
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,8 +75,24 @@ def describe_tags(wheel: Wheel) -> str:
     return ", ".join(tags)
 
 
-def check_built_wheel(path: Path, version: str, python: tuple[int, int]) -> None:
-    """The wheel is the build's vLLM at `version`, for the environment's Python."""
+def needed_glibc(path: Path) -> tuple[str, tuple[int, int]] | None:
+    """The newest GLIBC_x.y symbol version a shared library in the wheel needs, and which one."""
+    newest: tuple[str, tuple[int, int]] | None = None
+    with zipfile.ZipFile(path) as archive:
+        for name in archive.namelist():
+            if name.endswith(".so") or ".so." in name:
+                found = re.findall(rb"GLIBC_(\d+)\.(\d+)", archive.read(name))
+                version = max(((int(a), int(b)) for a, b in found), default=None)
+                if version is not None and (newest is None or version > newest[1]):
+                    newest = (name, version)
+    return newest
+
+
+def check_built_wheel(path: Path, version: str, python: tuple[int, int],
+                      host_glibc: tuple[int, int] | None) -> None:
+    """The wheel is the build's vLLM at `version`, for the environment's Python and this host's C
+    library (a wheel compiled in an image is tagged linux_x86_64, not manylinux: nothing else
+    says which glibc it needs, and the engine would only fail at import)."""
     wheel = parse_wheel(path)
     if wheel is None or wheel.name != "vllm" or wheel.version != version:
         raise WheelError(f"{path} is not the vllm {version} wheel",
@@ -85,3 +102,11 @@ def check_built_wheel(path: Path, version: str, python: tuple[int, int]) -> None
             f"the wheel {path.name} is for {describe_tags(wheel)}, but the environment's Python is "
             f"{python[0]}.{python[1]}", "pass --python with a matching interpreter (e.g. --python "
             "python3.11, the base image's)")
+    needed = needed_glibc(path) if host_glibc is not None else None
+    if needed is not None and host_glibc is not None and needed[1] > host_glibc:
+        raise WheelError(
+            f"{needed[0]} in {path.name} needs the C library at GLIBC {needed[1][0]}.{needed[1][1]}; "
+            f"this host has {host_glibc[0]}.{host_glibc[1]}, so vLLM cannot load here natively",
+            "serve it in its image instead (invoke up --platform cpu, Compose), or install on a host "
+            f"with glibc {needed[1][0]}.{needed[1][1]} or newer (the cpu target compiles with Debian "
+            "trixie's gcc-12 and C library)")
