@@ -92,7 +92,9 @@ def test_a_recorded_profile_that_no_longer_exists_is_an_error_with_a_fix(project
 
 def test_a_live_routers_resident_model_is_followed_a_dead_one_is_not(project: Project) -> None:
     project.generated.mkdir()
-    record = {"pid": os.getpid(), "url": "http://127.0.0.1:8080", "platform": "cpu",
+    from vllmstack.router.record import identity
+
+    record = {**identity(), "url": "http://127.0.0.1:8080", "platform": "cpu",
               "profile": "tiny-gguf", "loaded": "tiny-gguf"}
     (project.generated / ROUTER_FILE).write_text(json.dumps(record))
     resolved, said = follow(project)
@@ -101,6 +103,9 @@ def test_a_live_routers_resident_model_is_followed_a_dead_one_is_not(project: Pr
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)
     (project.generated / ROUTER_FILE).write_text(json.dumps({**record, "pid": int(dead.stdout)}))
+    assert running_selection(project) is None
+    # A live pid that a later program reused (its start time is not the router's) is not believed.
+    (project.generated / ROUTER_FILE).write_text(json.dumps({**record, "pid_start": -1}))
     assert running_selection(project) is None
 
 

@@ -29,6 +29,7 @@ from vllmstack.core.errors import StackError
 from vllmstack.core.files import write_json
 from vllmstack.core.paths import Project
 from vllmstack.runtime.native.procs import ProcTable
+from vllmstack.serve.running import router_alive
 
 ROUTER_FILE = "router.json"
 LOCK_FILE = "router.lock"
@@ -48,15 +49,7 @@ def identity(pid: int | None = None, procs: ProcTable | None = None) -> dict[str
 
 def is_running(record: dict[str, Any], procs: ProcTable | None = None) -> bool:
     """Whether the router the record names still runs (not merely a process with its pid)."""
-    pid = record.get("pid")
-    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
-        return False
-    procs = procs or ProcTable()
-    proc = procs.get(pid)
-    if proc is None or proc.zombie:
-        return False
-    return (record.get("pid_start") == proc.start_ticks
-            and record.get("boot_id") == procs.boot_id())
+    return router_alive(record, procs)
 
 
 def write_record(project: Project, data: dict[str, Any]) -> None:

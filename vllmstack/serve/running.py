@@ -11,14 +11,15 @@ When the followed selection differs from .env's, one line says which is used and
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from vllmstack.config.profiles import ProfileError, Resolved, resolve
 from vllmstack.core.errors import StackError
 from vllmstack.core.files import JsonFileError, read_json_file
 from vllmstack.core.paths import Project
+from vllmstack.runtime.native.procs import ProcTable
 from vllmstack.serve.state import STATE_FILE, read_state
 
 # The router (a layer above this one) writes it: vllmstack.router.record.ROUTER_FILE.
@@ -63,7 +64,7 @@ def _router_resident(project: Project) -> Running | None:
         data = read_json_file(project.generated / ROUTER_FILE)
     except JsonFileError:
         return None
-    if not isinstance(data, dict) or not _alive(data.get("pid")):
+    if not isinstance(data, dict) or not router_alive(data):
         return None  # a record left by a router that died says nothing about now
     profile, platform = data.get("profile"), data.get("platform")
     if not (isinstance(profile, str) and profile and isinstance(platform, str) and platform):
@@ -71,16 +72,18 @@ def _router_resident(project: Project) -> Running | None:
     return Running(profile, platform, (), f"generated/{ROUTER_FILE} (the router's resident model)")
 
 
-def _alive(pid: object) -> bool:
+def router_alive(record: dict[str, Any], procs: ProcTable | None = None) -> bool:
+    """Whether the router a router.json names still runs: the same pid, start time (clock ticks
+    after boot) and boot, so a pid a later program reused is not taken for the router."""
+    pid = record.get("pid")
     if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
         return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    procs = procs or ProcTable()
+    proc = procs.get(pid)
+    if proc is None or proc.zombie:
         return False
-    except PermissionError:
-        return True
-    return True
+    return (record.get("pid_start") == proc.start_ticks
+            and record.get("boot_id") == procs.boot_id())
 
 
 def _named_in(overrides: Sequence[str], key: str) -> bool:
