@@ -318,3 +318,13 @@ def test_repack_refuses_a_file_changed_after_install(tmp_path: Path) -> None:
     done = repack(site, tmp_path / "out")
     assert done.returncode != 0
     assert "demo/__init__.py differs from the installed wheel's RECORD" in done.stderr
+
+
+def test_a_missing_engine_names_how_its_version_is_installed() -> None:
+    from vllmstack.runtime.native.command import install_hint
+
+    assert install_hint("0.32.0+cpu") == "invoke install-engine --version 0.32.0+cpu"
+    # A source-built CPU wheel is not on the index: it comes out of the image that was built.
+    source = install_hint("0.31.0+cpu.p8636d551")
+    assert "--from-image" in source and "--version" not in source
+    assert "--wheels DIR" in install_hint("0.31.0+rocm101.gfx1201.p8636d551")

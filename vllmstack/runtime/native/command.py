@@ -166,3 +166,14 @@ def _unapplied_files(project: Project, resolved: Resolved, fp8_dir: str) -> list
                      f"(containers mount them into vllm/{fp8_dir})")
     return notes
 
+
+def install_hint(version: str) -> str:
+    """How to install the native engine of `version`: vLLM's CPU build comes from the index, a
+    source-built CPU wheel (0.31.0+cpu.p<patch hash>) from the image `invoke build` made, anything
+    else from a wheel source."""
+    if version.endswith("+cpu"):
+        return f"invoke install-engine --version {version}"
+    if "+cpu." in version:
+        return ("invoke install-engine --platform cpu --from-image IMAGE (the image `invoke build "
+                f"--platform cpu` made with vLLM {version})")
+    return f"invoke install-engine --version {version} (add --wheels DIR for AMD's ROCm wheels)"

@@ -56,6 +56,7 @@ from vllmstack.runtime.native.command import (
     IPC_DIR,
     NativeCommand,
     clear_sockets,
+    install_hint,
     native_serve_command,
 )
 from vllmstack.runtime.native.dashboard import NativeDashboard
@@ -378,9 +379,7 @@ class NativeEngine:
         if command.venv is not None:
             raise NativeError(
                 f"the native engine for vLLM {command.version} is not installed: {exe} does not exist",
-                f"invoke install-engine --version {command.version}" + (
-                    "" if command.version.endswith("+cpu")  # vLLM's CPU build: from the index
-                    else " (add --wheels DIR for AMD's ROCm wheels)"))
+                install_hint(command.version))
         source = self.resolved.source("NATIVE_ENGINE_COMMAND") if self.resolved else None
         raise NativeError(f"NATIVE_ENGINE_COMMAND starts with {exe!r}, which is not an executable "
                           f"here (set at {source or '?'})",
@@ -489,3 +488,4 @@ def disk_full(folder: Path) -> bool:
     except OSError:
         return False
     return stats.f_bavail * stats.f_frsize < DISK_FULL_BYTES
+
