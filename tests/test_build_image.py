@@ -407,3 +407,20 @@ def test_cpu_image_findings_compare_the_cpu_pins_only(proj: Project) -> None:
     rocm_labels = labels_for(proj, SHIPPED_BASE)  # an image of the rocm target
     [finding] = build.image_label_findings(proj, resolved, rocm_labels)
     assert finding.code == "image-target-mismatch"
+
+
+def test_a_mirror_of_the_same_pinned_commit_is_no_reason_to_rebuild(proj: Project) -> None:
+    # The offline cpu build takes oneDNN from a local mirror (ONEDNN_REPO=upstream/onednn) at the
+    # pinned commit; `up` with the default repository then warned "invoke rebuild" (an hour).
+    mirror = resolve(proj, platform="cpu", overrides=["ONEDNN_REPO=upstream/onednn"], environ={})
+    inputs = cpu.SourceInputs(proj.cache, proj.cache / "x.tar.gz", "ab" * 32, "2.13.0+cpu", "")
+    labels = build.image_labels(proj, mirror, VerifyReport([]), inputs=inputs)
+    assert build.image_label_findings(proj, resolve(proj, platform="cpu", environ={}), labels) == []
+    # Another commit still is (both differ then); so is another repository where the ref is a
+    # tag, which that repository can move.
+    moved = resolve(proj, platform="cpu", overrides=["ONEDNN_REF=" + "1" * 40], environ={})
+    assert [f.key for f in build.image_label_findings(proj, moved, labels)] == ["ONEDNN_REPO",
+                                                                                "ONEDNN_REF"]
+    fork = resolve(proj, overrides=["VLLM_REPO=https://example.com/fork/vllm.git"], environ={})
+    [finding] = build.image_label_findings(proj, fork, labels_for(proj, SHIPPED_BASE))
+    assert (finding.code, finding.key) == ("image-pin-mismatch", "VLLM_REPO")

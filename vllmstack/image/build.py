@@ -236,6 +236,19 @@ def image_labels(project: Project, resolved: Resolved, report: VerifyReport,
     return labels
 
 
+def _repo_of_same_commit(key: str, resolved: Resolved, labels: dict[str, str]) -> bool:
+    """`key` is a source's repository, and its ref is a full commit, the one the image was built
+    at. A commit names the tree wherever it was fetched from (upstream, or the local mirror an
+    offline build uses), so another repository is no reason to rebuild; with a tag or a branch it
+    is, since another repository can move either."""
+    refs = {repo: ref for repo, ref in SOURCES.values()}
+    if key not in refs:
+        return False
+    ref = resolved.get_raw(refs[key])
+    return (re.fullmatch(r"[0-9a-f]{40}", ref) is not None
+            and labels.get(PIN_LABEL + refs[key].lower()) == ref)
+
+
 def read_image_labels(runner: Runner, docker: str, image: str) -> dict[str, str] | None:
     """The image's labels, or None when the image does not exist (or docker cannot say)."""
     result = runner.run([docker, "image", "inspect", "--format", "{{json .Config.Labels}}", image],
@@ -270,7 +283,7 @@ def image_label_findings(project: Project, resolved: Resolved,
                         fix="invoke build for this platform, or set VLLM_IMAGE")]
     findings: list[Finding] = []
     for key in pin_keys(target):
-        if key in NOT_COMPARED:
+        if key in NOT_COMPARED or _repo_of_same_commit(key, resolved, labels):
             continue
         built = labels.get(PIN_LABEL + key.lower())
         now = resolved.get_raw(key)
