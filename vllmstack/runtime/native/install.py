@@ -17,7 +17,7 @@ FILE` install the wheel `invoke build --platform cpu` compiled (X.Y.Z+cpu.p<patc
 from __future__ import annotations
 
 import json
-import platform
+import os
 import re
 import shutil
 import time
@@ -250,6 +250,15 @@ def install_engine(
                                 "installs it again")
             return report
         check_not_in_use(project, folder)
+
+    started = time.monotonic()
+    # The built wheel is checked before anything is removed: a wheel this host cannot load (a
+    # newer glibc, another Python) leaves the environment a --force would replace as it was.
+    if built is not None and built.image:
+        built.path = copy_wheel_out(runner, docker, built, project.cache / BUILT_WHEELS, say)
+    if built is not None and built.path is not None and built.path.is_file():
+        check_built_wheel(built.path, built.version, py, host_glibc(), built.image)
+    if manifest is not None:
         say(f"--force: removing the existing environment {folder}")
         report.replaced = True
     elif folder.exists():
@@ -257,12 +266,6 @@ def install_engine(
         say(f"removing the unfinished environment of an earlier attempt: {folder}")
     if folder.exists() and not dry_run:
         shutil.rmtree(folder)
-
-    started = time.monotonic()
-    if built is not None and built.image:
-        built.path = copy_wheel_out(runner, docker, built, project.cache / BUILT_WHEELS, say)
-    if built is not None and built.path is not None and not dry_run:
-        check_built_wheel(built.path, built.version, py, host_glibc())
     created = runner.run([python, "-m", "venv", *(["--system-site-packages"] if system_site_packages
                                                    else []), str(folder)], timeout=600)
     if not created.ok:
@@ -335,10 +338,15 @@ def install_engine(
 
 
 def host_glibc() -> tuple[int, int] | None:
-    """This host's C library version (None where it is not glibc)."""
-    name, version = platform.libc_ver()
-    match = re.match(r"(\d+)\.(\d+)", version)
-    return (int(match[1]), int(match[2])) if name == "glibc" and match else None
+    """This host's C library version, as the C library itself reports it ("glibc 2.36"); None
+    where it is not glibc. Not platform.libc_ver() alone: without confstr it falls back to the
+    newest version the Python binary mentions, which is older than the host's."""
+    try:
+        text = os.confstr("CS_GNU_LIBC_VERSION") or ""
+    except (AttributeError, ValueError, OSError):
+        return None
+    match = re.fullmatch(r"glibc (\d+)\.(\d+)\b.*", text)
+    return (int(match[1]), int(match[2])) if match else None
 
 
 def write_manifest(folder: Path, report: InstallReport, wheel: Wheel | None) -> None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vllmstack.core.errors import StackError
+from vllmstack.runtime.native import elf
 
 # {name}-{version}(-{build})?-{python tag}-{abi tag}-{platform tag}.whl (PEP 427).
 WHEEL = re.compile(r"^(?P<name>[^-]+)-(?P<version>[^-]+)(-\d[^-]*)?-(?P<py>[^-]+)-(?P<abi>[^-]+)-"
@@ -27,6 +28,7 @@ class Wheel:
     version: str
     python_tags: tuple[str, ...]
     abi: str
+    platforms: tuple[str, ...] = ()  # e.g. ("manylinux_2_28_x86_64",), or ("linux_x86_64",)
 
     @property
     def public_version(self) -> str:
@@ -42,7 +44,7 @@ def parse_wheel(path: Path) -> Wheel | None:
     if not match:
         return None
     return Wheel(path, normalise_name(match["name"]), match["version"],
-                 tuple(match["py"].split(".")), match["abi"])
+                 tuple(match["py"].split(".")), match["abi"], tuple(match["plat"].split(".")))
 
 
 def scan_wheels(folder: Path) -> list[Wheel]:
@@ -75,24 +77,47 @@ def describe_tags(wheel: Wheel) -> str:
     return ", ".join(tags)
 
 
+# manylinux_X_Y (PEP 600) and the older names it replaced (PEP 513, 571, 599): the glibc each needs.
+MANYLINUX = re.compile(r"^manylinux_(\d+)_(\d+)_")
+LEGACY_MANYLINUX = {"manylinux1": (2, 5), "manylinux2010": (2, 12), "manylinux2014": (2, 17)}
+
+
+def tag_glibc(wheel: Wheel) -> tuple[int, int] | None:
+    """The glibc the wheel's platform tags promise to run on (the oldest, as pip takes any of
+    them); None for a plain linux_x86_64 tag, which promises nothing."""
+    found = []
+    for tag in wheel.platforms:
+        match = MANYLINUX.match(tag)
+        legacy = LEGACY_MANYLINUX.get(tag.split("_", 1)[0])
+        if match:
+            found.append((int(match[1]), int(match[2])))
+        elif legacy:
+            found.append(legacy)
+    return min(found, default=None)
+
+
 def needed_glibc(path: Path) -> tuple[str, tuple[int, int]] | None:
-    """The newest GLIBC_x.y symbol version a shared library in the wheel needs, and which one."""
-    newest: tuple[str, tuple[int, int]] | None = None
+    """What in the wheel needs the newest C library, and which: its platform tag (manylinux_X_Y),
+    or the newest GLIBC_x.y symbol version a shared library in it needs (elf.needed_glibc). The
+    libraries decide: a wheel compiled in an image is tagged linux_x86_64, and says nothing."""
+    wheel = parse_wheel(path)
+    tagged = tag_glibc(wheel) if wheel is not None else None
+    newest: tuple[str, tuple[int, int]] | None = (
+        (f"the platform tag {'.'.join(wheel.platforms)}", tagged) if wheel and tagged else None)
     with zipfile.ZipFile(path) as archive:
         for name in archive.namelist():
             if name.endswith(".so") or ".so." in name:
-                found = re.findall(rb"GLIBC_(\d+)\.(\d+)", archive.read(name))
-                version = max(((int(a), int(b)) for a, b in found), default=None)
+                version = elf.needed_glibc(archive.read(name))
                 if version is not None and (newest is None or version > newest[1]):
                     newest = (name, version)
     return newest
 
 
 def check_built_wheel(path: Path, version: str, python: tuple[int, int],
-                      host_glibc: tuple[int, int] | None) -> None:
+                      host_glibc: tuple[int, int] | None, image: str = "") -> None:
     """The wheel is the build's vLLM at `version`, for the environment's Python and this host's C
-    library (a wheel compiled in an image is tagged linux_x86_64, not manylinux: nothing else
-    says which glibc it needs, and the engine would only fail at import)."""
+    library (which the engine would otherwise only find out at import: "version `GLIBC_2.38' not
+    found"). `image`: the one it came out of, for the fix."""
     wheel = parse_wheel(path)
     if wheel is None or wheel.name != "vllm" or wheel.version != version:
         raise WheelError(f"{path} is not the vllm {version} wheel",
@@ -104,9 +129,11 @@ def check_built_wheel(path: Path, version: str, python: tuple[int, int],
             "python3.11, the base image's)")
     needed = needed_glibc(path) if host_glibc is not None else None
     if needed is not None and host_glibc is not None and needed[1] > host_glibc:
+        what, (major, minor) = needed
         raise WheelError(
-            f"{needed[0]} in {path.name} needs the C library at GLIBC {needed[1][0]}.{needed[1][1]}; "
-            f"this host has {host_glibc[0]}.{host_glibc[1]}, so vLLM cannot load here natively",
-            "serve it in its image instead (invoke up --platform cpu, Compose), or install on a host "
-            f"with glibc {needed[1][0]}.{needed[1][1]} or newer (the cpu target compiles with Debian "
-            "trixie's gcc-12 and C library)")
+            f"{path.name} needs glibc {major}.{minor} or newer ({what} asks for GLIBC_{major}.{minor}); "
+            f"this host has glibc {host_glibc[0]}.{host_glibc[1]}, so vLLM cannot load here natively",
+            "serve the image through Compose instead: invoke up --platform cpu --set "
+            f"VLLM_IMAGE={image or '<the image invoke build tagged>'}; or install the wheel on a "
+            f"host with glibc {major}.{minor} or newer (the cpu target compiles on Debian trixie's "
+            "gcc-12 and C library, and links against that glibc)")
