@@ -11,7 +11,9 @@ a build patch (the overlay is taken out of the project copy, or verification rep
 with it, a chat request with `"tools": []` is answered; without it (the one-patch rebuild), vLLM
 answers 400. The image's labels list the applied patches, and the wheel version in the image names
 the patch set. The first build is a cold one where nothing is cached (an hour or more on 2 cores);
-the rebuild changes one Python file, so ccache reports no compile at all.
+the rebuild changes one Python file, so ccache reports no compile at all. While the patched image
+serves, `invoke bench` (the server's version must be the image's wheel), the `thinkoff` and
+`prefix-cache` probes and `stability smoke` must pass: what an operator runs after `up`.
 
 Marked `source_build`: only `invoke test --slow` runs it (CI's time does not allow the compile).
 The module holds /tmp/vllmstack-heavy.lock from its first build to its last `down`, like every
@@ -197,14 +199,32 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     ARTIFACT.write_text(json.dumps(made.times, indent=2) + "\n")
 
 
-def serve_and_ask(stack: Stack) -> tuple[int, str]:
+def serve_and_ask(stack: Stack, *, measure: str = "") -> tuple[int, str]:
+    """`up`, the `"tools": []` request, and with `measure` (the wheel version the image's label
+    names) what an operator runs next: bench, the probes the CPU quick start runs, stability."""
     started = time.monotonic()
     stack.must("up", "--no-dashboard", timeout=BOOT_TIMEOUT_S + 120)
     stack.times.setdefault("boots", []).append(round(time.monotonic() - started))
     try:
-        return stack.chat_with_empty_tools()
+        answer = stack.chat_with_empty_tools()
+        if measure:
+            bench_and_probe(stack, measure)
+        return answer
     finally:
         stack.must("down", timeout=180)
+
+
+def bench_and_probe(stack: Stack, wheel: str) -> None:
+    """The issue's "bench and probes passing", against the engine the image runs."""
+    done = stack.must("bench", "--pp", "256", "--tg", "128", "--runs", "3", "--json", timeout=600)
+    record = json.loads(done.stdout)
+    assert record["status"] == "ok" and record["server"]["version"] == wheel, record.get("server")
+    [row] = record["results"]
+    assert row["errors"] == 0 and row["requests"] == 3, row
+    stack.times["bench"] = {"ttft_ms_p50": row["ttft_ms"]["p50"], "tg_tps_p50": row["tg_tps"]["p50"]}
+    for check in (("probe", "thinkoff"), ("probe", "prefix-cache"), ("stability", "smoke")):
+        stack.must(*check, timeout=600)
+        stack.times.setdefault("passed", []).append(" ".join(check))
 
 
 def test_built_from_source_with_the_series_and_a_patch_the_client_sees(stack: Stack) -> None:
@@ -234,7 +254,7 @@ def test_built_from_source_with_the_series_and_a_patch_the_client_sees(stack: St
                    "import importlib.metadata as m, vllm._C; print(m.version('vllm'))", timeout=300)
     assert shown.returncode == 0 and shown.stdout.strip() == wheel, shown.stdout + shown.stderr
     assert f"applied  {TEST_PATCH}" in log
-    status, text = serve_and_ask(stack)
+    status, text = serve_and_ask(stack, measure=wheel)
     assert status == 200, text
     assert json.loads(text)["choices"][0]["message"]["role"] == "assistant"
 
