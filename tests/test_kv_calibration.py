@@ -130,6 +130,7 @@ def test_ensure_measures_once_then_keeps_the_fresh_copy(project: Project, model:
     runner = RecordingRunner()
 
     def measure(argv: tuple[str, ...]) -> Result:
+        assert Path(argv[4]).read_text() == "tex"  # the held-out tenth is not measured
         Path(argv[5]).write_text(json.dumps({"tokens": 99, "versions": {"torch": "t"}, "layers": {
             "model.layers.0.self_attn": {"k_amax": 4.48, "v_amax": 0.448}}}))
         return Result(argv, 0)
@@ -167,18 +168,25 @@ def test_the_runner_measures_every_layer_on_a_real_model(tmp_path: Path) -> None
 
 def test_the_quality_gate_compares_fp8_with_bf16_and_checks_the_scales_were_used() -> None:
     scales = {"model.layers.0.self_attn": {"k_scale": 0.0097, "v_scale": 0.0032}}
-    bf16 = {"ppl": 50.0, "recall_mean": 0.8, "scales": {"model.layers.0.self_attn.attn": [1.0, 1.0]}}
-    fp8 = {"ppl": 50.9, "recall_mean": 0.78, "scales": {"model.layers.0.self_attn.attn": [0.0097, 0.0032]}}
+    bf16 = {"ppl": 50.0, "recall_mean": 0.8, "recall": {"0.1": 0.8, "0.9": 0.8},
+            "scales": {"model.layers.0.self_attn.attn": [1.0, 1.0]}}
+    fp8 = {"ppl": 50.9, "recall_mean": 0.78, "recall": {"0.1": 0.78, "0.9": 0.78},
+           "scales": {"model.layers.0.self_attn.attn": [0.0097, 0.0032]}}
     ok, lines = kv.quality_verdict(bf16, fp8, scales)
     assert ok and all(line.startswith("PASS") for line in lines)
     worse = {**fp8, "ppl": 51.5}  # +3 %
     assert not kv.quality_verdict(bf16, worse, scales)[0]
     forgetful = {**fp8, "recall_mean": 0.7}  # 87.5 % of bf16's
     assert not kv.quality_verdict(bf16, forgetful, scales)[0]
+    # The mean holds, but the far past (the shallowest needle) is lost.
+    shallow = {**fp8, "recall_mean": 0.8, "recall": {"0.1": 0.6, "0.9": 1.0}}
+    ok, lines = kv.quality_verdict(bf16, shallow, scales)
+    assert not ok and "short at 0.1" in lines[1]
     # vLLM fell back to scale 1.0: the copy's scales were not loaded, whatever the numbers say.
-    ignored = {**fp8, "scales": {"model.layers.0.self_attn.attn": [1.0, 1.0]}}
-    ok, lines = kv.quality_verdict(bf16, ignored, scales)
-    assert not ok and lines[-1].startswith("FAIL vLLM used the calibrated scales")
+    for used in ([1.0, 1.0], [0.0097, 1.0]):
+        ignored = {**fp8, "scales": {"model.layers.0.self_attn.attn": used}}
+        ok, lines = kv.quality_verdict(bf16, ignored, scales)
+        assert not ok and lines[-1].startswith("FAIL vLLM used the calibrated scales")
 
 
 def kv_findings(project: Project, model_dir: Path, kv_dtype: str = "fp8") -> list[Any]:
@@ -211,3 +219,58 @@ def test_up_refuses_zero_scales_and_a_stale_copy_and_warns_without_scales(projec
     (found,) = kv_findings(project, model)  # the uncalibrated source itself
     assert (found.severity, found.code) == ("warning", "kv-scales-default")
     assert kv_findings(project, model, kv_dtype="bfloat16") == []
+
+
+def test_the_held_out_tenth_is_neither_trained_nor_calibrated_on(project: Project, model: Path,
+                                                                 tmp_path: Path) -> None:
+    from vllmstack.models.train_runner import split_corpus
+
+    text = kv.DEFAULT_CORPUS.read_text()
+    train, held = split_corpus(text)
+    assert train + held == text and held.startswith("\n\n") and 0.08 < len(held) / len(text) < 0.12
+    assert kv.heldout_text(kv.DEFAULT_CORPUS, tmp_path).read_text() == held  # what --gate scores
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(text)
+    resolved = resolve(project, model="tiny", platform="cpu",
+                       overrides=[f"VLLM_MODEL={model}", f"MODELS_DIR={tmp_path / 'models'}",
+                                  "NATIVE_ENGINE_COMMAND=/opt/py/bin/python3 -m vllm.entrypoints.cli.main"])
+    measured: list[str] = []
+
+    def measure(argv: tuple[str, ...]) -> Result:
+        measured.append(Path(argv[4]).read_text())
+        layers = {"model.layers.0.self_attn": {"k_amax": 4, "v_amax": 1}}
+        Path(argv[5]).write_text(json.dumps({"layers": layers}))
+        return Result(argv, 0)
+
+    runner = RecordingRunner()
+    runner.respond(["/opt/py/bin/python3"], measure)
+    kv.ensure_calibrated(project, resolved, runner, {"HOME": str(tmp_path)}, corpus=corpus)
+    assert measured == [train]
+
+
+def test_a_cpu_engine_without_avx512_or_amx_is_refused_before_booting() -> None:
+    with pytest.raises(kv.CalibrationError, match=r"cpu_attn\.py") as err:
+        kv.check_fp8_kv_engine("0.32.0+cpu", {"sse4_2", "avx2"})
+    assert "GPU" in (err.value.fix or "")
+    kv.check_fp8_kv_engine("0.32.0+cpu", {"avx2", "avx512f"})
+    kv.check_fp8_kv_engine("0.32.0+cpu", {"amx_tile"})
+    kv.check_fp8_kv_engine("0.27.1", {"avx2"})  # a GPU engine: the CPU's flags do not matter
+    cpuinfo = Path(__file__).parent / "data" / "nonexistent-cpuinfo"
+    assert kv.cpu_flags(cpuinfo) == set()
+
+
+def test_the_recall_probe_hides_a_random_needle_at_each_depth() -> None:
+    from vllmstack.models.kv_quality_runner import recall_prompts
+
+    held = list(range(100, 400))
+    prompts, expected = recall_prompts(held, context=1024, needle=16, cue=4, depths=[0.1, 0.9], trials=3)
+    assert len(prompts) == 6 and all(len(p) == 1024 for p in prompts)
+    depths = []
+    for prompt, want in zip(prompts, expected, strict=True):
+        assert len(want) == 12
+        cue = prompt[-4:]
+        # The needle (cue + continuation) sits once, whole, inside the filler.
+        at = [i for i in range(len(prompt) - 20) if prompt[i:i + 16] == cue + want]
+        assert len(at) == 1
+        depths.append(at[0] / 1024)
+    assert max(depths[:3]) < 0.15 and min(depths[3:]) > 0.85

@@ -40,13 +40,14 @@ from vllmstack.config.schema import load_schema
 from vllmstack.core.errors import StackError
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner
+from vllmstack.models.train_runner import split_corpus
 from vllmstack.runtime.engine_env import engine_environment, stack_paths
-from vllmstack.runtime.native.install import engine_dir, engine_version
+from vllmstack.runtime.native.install import engine_dir, engine_version, list_engines
 
 FP8_E4M3_MAX = 448.0
 SCALES_FILE = "kv_scales.safetensors"
 # Bump when what the sidecar promises changes (the measurement, the file layout).
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the corpus's held-out tenth is no longer measured
 KV_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
 DEFAULT_CORPUS = Path(__file__).resolve().parents[1] / "bench" / "workload" / "corpus" / "essays.txt"
 
@@ -187,8 +188,11 @@ def write_calibrated_copy(plan: CalibrationPlan, scales: Mapping[str, Mapping[st
     return plan.target
 
 
-def engine_python(project: Project, resolved: Resolved, python: str | None) -> str:
-    """--python; NATIVE_ENGINE_COMMAND's interpreter (`<python> -m vllm...`); install-engine's."""
+def engine_python(project: Project, resolved: Resolved, python: str | None, *,
+                  any_installed: bool = False) -> str:
+    """--python; NATIVE_ENGINE_COMMAND's interpreter (`<python> -m vllm...`); install-engine's for
+    the profile's version; with `any_installed` (training needs torch, not a given vLLM), the
+    newest complete engine environment when the profile's is not installed."""
     if python:
         return python
     words = (resolved.get_str("NATIVE_ENGINE_COMMAND") or "").split()
@@ -196,11 +200,16 @@ def engine_python(project: Project, resolved: Resolved, python: str | None) -> s
         return words[0]
     version = engine_version(resolved)
     candidate = engine_dir(project, version) / "bin" / "python" if version else None
-    if candidate is None or not candidate.is_file():
-        raise CalibrationError(f"no engine environment for vLLM {version or '(no version)'} to calibrate in",
-                               "install it (invoke install-engine), or pass --python with an interpreter "
-                               "that has torch and transformers")
-    return str(candidate)
+    if candidate is not None and candidate.is_file():
+        return str(candidate)
+    others = [env.folder / "bin" / "python" for env in list_engines(project)
+              if env.manifest is not None and (env.folder / "bin" / "python").is_file()]
+    if any_installed and others:
+        return str(others[-1])
+    raise CalibrationError(f"no engine environment for vLLM {version or '(no version)'} to run in",
+                           "install it (invoke install-engine, --platform cpu for the CPU build), name "
+                           "the platform whose engine is installed (--platform cpu), or pass --python "
+                           "with an interpreter that has torch and transformers")
 
 
 @dataclass
@@ -230,8 +239,11 @@ def ensure_calibrated(project: Project, resolved: Resolved, runner: Runner, envi
     if reason is None:
         return Calibration(plan.target, False, "fresh", read_sidecar(plan.target) or {})
     work = Path(tempfile.mkdtemp(prefix="kv-calibration-")) if not runner.dry_run else Path("<tmp>")
-    out = work / "amax.json"
-    argv = [interpreter, "-m", "vllmstack.models.kv_calibrate_runner", str(plan.source), str(plan.corpus),
+    out, text = work / "amax.json", work / "calibration.txt"
+    if not runner.dry_run:
+        # The last tenth is what --gate scores: scales fitted on it would flatter the gate.
+        text.write_text(split_corpus(plan.corpus.read_text(encoding="utf-8"))[0], encoding="utf-8")
+    argv = [interpreter, "-m", "vllmstack.models.kv_calibrate_runner", str(plan.source), str(text),
             str(out), "--tokens", str(tokens)]
     result = runner.run(argv, env=env, cwd=project.root, timeout=3600)
     if runner.dry_run:
@@ -279,34 +291,66 @@ def quality_verdict(bf16: Mapping[str, Any], fp8: Mapping[str, Any],
     ok &= passed
     lines.append(f"{'PASS' if passed else 'FAIL'} perplexity: bf16 KV {ppl16:.3f}, fp8 KV {ppl8:.3f} "
                  f"({rise:+.2%}; limit +{PPL_TOLERANCE:.0%})")
+    depths16, depths8 = bf16.get("recall") or {}, fp8.get("recall") or {}
     r16, r8 = float(bf16.get("recall_mean", 0)), float(fp8.get("recall_mean", 0))
-    passed = r8 >= RECALL_FLOOR * r16
+    # Every depth, not just the mean: a cache that loses the far past shows at the first depths.
+    short = [d for d, v in depths16.items() if float(depths8.get(d, 0)) < RECALL_FLOOR * float(v)]
+    passed = r8 >= RECALL_FLOOR * r16 and not short
     ok &= passed
     empty = " - bf16 recalls nothing: the probe says little about this model" if not r16 else ""
+    per_depth = ", ".join(f"{d}: {float(v):.0%}/{float(depths8.get(d, 0)):.0%}" for d, v in depths16.items())
     lines.append(f"{'PASS' if passed else 'FAIL'} recall: bf16 KV {r16:.1%}, fp8 KV {r8:.1%} "
-                 f"(at least {RECALL_FLOOR:.0%} of bf16){empty}")
+                 f"(at least {RECALL_FLOOR:.0%} of bf16 at every depth; "
+                 f"bf16/fp8 by depth {per_depth or 'none'})"
+                 + (f"; short at {', '.join(short)}" if short else "") + empty)
     used = fp8.get("scales") or {}
-    wanted = [pair["k_scale"] for pair in scales.values()]
-    seen = [pair[0] for pair in used.values()]
-    loaded = bool(seen) and all(any(math.isclose(s, w, rel_tol=1e-3) for s in seen) for w in wanted)
+    # vLLM names the attention module <layer>.attn; the calibration names <layer> (its self_attn).
+    missing = [layer for layer, pair in scales.items()
+               if not (len(used.get(f"{layer}.attn") or []) == 2
+                       and math.isclose(used[f"{layer}.attn"][0], pair["k_scale"], rel_tol=1e-3)
+                       and math.isclose(used[f"{layer}.attn"][1], pair["v_scale"], rel_tol=1e-3))]
+    loaded = bool(scales) and not missing
     ok &= loaded
+    seen = [f"{v[0]:.4g}/{v[1]:.4g}" for v in list(used.values())[:4]]
     lines.append(f"{'PASS' if loaded else 'FAIL'} vLLM used the calibrated scales "
-                 f"(k_scale seen: {', '.join(f'{s:.4g}' for s in seen[:4]) or 'none'})")
+                 f"(k/v seen: {', '.join(seen) or 'none'})"
+                 + (f"; not in use for {', '.join(missing[:4])}" if missing else ""))
     return ok, lines
 
 
 def heldout_text(corpus: Path, work: Path) -> Path:
-    """The last fifth of the corpus, which the calibration's first tokens did not include."""
-    text = corpus.read_text(encoding="utf-8")
+    """The corpus's last tenth, which neither the calibration nor make-model --trained saw."""
     path = work / "heldout.txt"
-    path.write_text(text[int(len(text) * 0.8):], encoding="utf-8")
+    path.write_text(split_corpus(corpus.read_text(encoding="utf-8"))[1], encoding="utf-8")
     return path
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return set()
+    return {flag for line in text.splitlines() if line.startswith("flags")
+            for flag in line.split(":", 1)[1].split()}
+
+
+def check_fp8_kv_engine(version: str, flags: set[str]) -> None:
+    """vLLM's CPU build serves an fp8 KV cache (with the layer's k_scale/v_scale) only on x86 with
+    AVX-512 or AMX: vllm/v1/attention/backends/cpu_attn.py, _get_attn_isa (line 540 in 0.32.0)
+    raises "FP8 KV cache on CPU requires x86 with AVX-512 or AMX." Say so before a 2-minute boot."""
+    if version.endswith("+cpu") and flags and not flags & {"avx512f", "amx_tile"}:
+        raise CalibrationError(
+            f"vLLM {version} (the CPU build) refuses an fp8 KV cache on this CPU: it needs AVX-512 or "
+            "AMX (vllm/v1/attention/backends/cpu_attn.py, _get_attn_isa), and /proc/cpuinfo lists neither",
+            "run the gate where the engine can: a CPU with AVX-512/AMX, or a GPU engine "
+            "(benchmarks/gpu/h200-kv-calibration-run.sh); the calibrated copy itself is written")
 
 
 def run_quality_gate(project: Project, resolved: Resolved, runner: Runner, environ: Mapping[str, str],
                      calibration: Calibration, *, python: str | None = None,
-                     corpus: Path | None = None) -> tuple[bool, list[str]]:
+                     corpus: Path | None = None, flags: set[str] | None = None) -> tuple[bool, list[str]]:
     """Serve the calibrated copy in vLLM twice (bf16 KV, fp8 KV) and compare."""
+    check_fp8_kv_engine(engine_version(resolved), cpu_flags() if flags is None else flags)
     interpreter = engine_python(project, resolved, python)
     env = {**environ, "PYTHONNOUSERSITE": "1", **engine_environment(resolved, load_schema()),
            "PYTHONPATH": os.pathsep.join(p for p in (str(project.root), environ.get("PYTHONPATH", "")) if p)}

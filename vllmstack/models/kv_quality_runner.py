@@ -6,10 +6,11 @@ asked for, and measures what the cache's precision can change:
 
 * perplexity of held-out text, from vLLM's prompt logprobs (every token scored against the KV of
   the tokens before it);
-* long-context recall: a needle (a run of corpus tokens) is placed at several depths of a long
-  filler context, its first tokens are repeated at the end, and greedy decoding must continue it;
-  the score is the share of needle tokens reproduced (copying an earlier span is what attention
-  over a quantized cache has to get right).
+* long-context recall: a needle (a run of random vocabulary tokens, so neither the filler nor
+  the model's training can predict it) is placed at several depths of a long context of held-out
+  text, its first tokens are repeated at the end, and greedy decoding must continue it; the score
+  is the share of needle tokens reproduced (copying from the cached K/V of an earlier span is what
+  attention over a quantized cache has to get right).
 
 It also reports the k/v scales vLLM ended up using per attention layer, so the host can check the
 calibrated ones were really loaded. Only stdlib, vLLM and tokenizers are imported.
@@ -32,18 +33,36 @@ def _mod(name: str) -> Any:
     return importlib.import_module(name)
 
 
+def layer_scales(model: Any) -> dict[str, list[float]]:
+    """k/v scales of every attention layer of the engine's model: what the kernels are given."""
+    return {name: [float(module._k_scale_float), float(module._v_scale_float)]
+            for name, module in model.named_modules()
+            if hasattr(module, "_k_scale_float") and hasattr(module, "_v_scale_float")}
+
+
 def loaded_scales(llm: Any) -> dict[str, list[float]]:
-    """k/v scales of every attention layer, read from the engine's model (in-process engine)."""
-    found: dict[str, list[float]] = {}
-    try:
-        runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
-        model = runner.get_model() if hasattr(runner, "get_model") else runner.model
-    except AttributeError:
-        return found
-    for name, module in model.named_modules():
-        if hasattr(module, "_k_scale_float") and hasattr(module, "_v_scale_float"):
-            found[name] = [float(module._k_scale_float), float(module._v_scale_float)]
-    return found
+    """The scales vLLM ended up using, asked of its worker (LLM.apply_model); the first worker's."""
+    found = llm.apply_model(layer_scales)
+    return dict(found[0]) if found else {}
+
+
+def recall_prompts(ids: list[int], *, context: int, needle: int, cue: int, depths: list[float],
+                   trials: int, seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:
+    """Prompts (held-out filler with a random-token needle at a depth, then the needle's first
+    `cue` tokens) and the needle tokens each must continue with."""
+    rng = random.Random(seed)
+    pool = sorted(set(ids))
+    loop = ids * (context // max(1, len(ids)) + 2)  # held-out text is short: cycle it
+    prompts, expected = [], []
+    for depth in depths:
+        for _ in range(trials):
+            tokens = [rng.choice(pool) for _ in range(needle)]
+            start = rng.randrange(0, len(ids))
+            filler = loop[start:start + context - needle - cue]
+            at = int(depth * len(filler))
+            prompts.append(filler[:at] + tokens + filler[at:] + tokens[:cue])
+            expected.append(tokens[cue:])
+    return prompts, expected
 
 
 def main(argv: list[str]) -> int:
@@ -53,12 +72,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("out", type=Path)
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--ppl-tokens", type=int, default=2048)
-    parser.add_argument("--context", type=int, default=1536)
-    parser.add_argument("--needle", type=int, default=12)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--needle", type=int, default=16)
+    parser.add_argument("--cue", type=int, default=4)
     parser.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
-    parser.add_argument("--trials", type=int, default=4)
+    parser.add_argument("--trials", type=int, default=8)
     args = parser.parse_args(argv)
-    # One process: the scales are read from the model object after loading.
+    # One process, so the scales can be read from the model after loading (apply_model).
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     vllm = _mod("vllm")
     tokenizer = _mod("tokenizers").Tokenizer.from_file(str(args.model / "tokenizer.json"))
@@ -73,31 +93,23 @@ def main(argv: list[str]) -> int:
     total = [entry[tok].logprob for tok, entry in zip(text_ids[1:], logprobs[1:], strict=False)
              if entry and tok in entry]
     ppl = math.exp(-sum(total) / len(total)) if total else math.inf
-    rng = random.Random(0)
     depths = [float(d) for d in args.depths.split(",")]
+    prompts, expected = recall_prompts(ids, context=args.context, needle=args.needle, cue=args.cue,
+                                       depths=depths, trials=args.trials)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           vllm.SamplingParams(max_tokens=args.needle - args.cue, temperature=0,
+                                               ignore_eos=True))
     recall: dict[str, float] = {}
-    prompts, expected = [], []
-    for depth in depths:
-        for _ in range(args.trials):
-            start = rng.randrange(0, max(1, len(ids) - args.needle))
-            needle = ids[start:start + args.needle]
-            filler_start = rng.randrange(0, max(1, len(ids) - args.context))
-            filler = ids[filler_start:filler_start + args.context - 2 * args.needle]
-            at = int(depth * len(filler))
-            cue = needle[:args.needle // 3]
-            prompts.append({"prompt_token_ids": filler[:at] + needle + filler[at:] + cue})
-            expected.append(needle[len(cue):])
-    outputs = llm.generate(prompts, vllm.SamplingParams(max_tokens=args.needle, temperature=0,
-                                                        ignore_eos=True))
     for index, depth in enumerate(depths):
-        hits = 0
-        for trial in range(args.trials):
-            k = index * args.trials + trial
+        hits = total_tokens = 0
+        for k in range(index * args.trials, (index + 1) * args.trials):
             got = list(outputs[k].outputs[0].token_ids)
             hits += sum(1 for a, b in zip(got, expected[k], strict=False) if a == b)
-        recall[str(depth)] = hits / (args.trials * len(expected[0]))
+            total_tokens += len(expected[k])
+        recall[str(depth)] = hits / total_tokens
     result = {"kv_cache_dtype": args.kv_cache_dtype, "ppl": ppl, "ppl_tokens": len(total),
               "recall": recall, "recall_mean": sum(recall.values()) / len(recall),
+              "context": args.context, "needle": args.needle, "trials": args.trials,
               "scales": loaded_scales(llm), "vllm": str(vllm.__version__)}
     args.out.write_text(json.dumps(result, indent=1))
     print(json.dumps({k: result[k] for k in ("kv_cache_dtype", "ppl", "recall_mean")}))
