@@ -14,14 +14,15 @@ from vllmstack.core.runner import RecordingRunner, Result
 from vllmstack.models import tiny, trained
 
 
-def fake_training(final_ppl: float) -> RecordingRunner:
+def fake_training(final_ppl: float, copy_accuracy: float = 0.95) -> RecordingRunner:
     runner = RecordingRunner()
 
     def train(argv: tuple[str, ...]) -> Result:
         folder, out = Path(argv[3]), Path(argv[5])
         assert (folder / "model.safetensors").is_file()  # the random model, before its snapshot
         out.write_text(json.dumps({"initial_ppl": 1280.0, "final_ppl": final_ppl, "target_ppl": 60.4,
-                                   "random_ppl": 1208, "steps": 900, "seconds": 300.0}))
+                                   "random_ppl": 1208, "copy_accuracy": copy_accuracy,
+                                   "copy_target": 0.9, "steps": 900, "seconds": 300.0}))
         return Result(argv, 0)
 
     runner.respond(["/py/bin/python3", "-m", "vllmstack.models.train_runner"], train)
@@ -61,3 +62,27 @@ def test_dry_run_prints_the_training_command(project: Project, tmp_path: Path) -
     assert trained.make_trained(project, resolved, runner, env) is None  # type: ignore[arg-type]
     assert runner.calls[0][:3] == ("/py/bin/python3", "-m", "vllmstack.models.train_runner")
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_model_that_does_not_copy_is_refused(project: Project, tmp_path: Path) -> None:
+    # The recall probe of calibrate-kv --gate needs a model that copies from its context.
+    resolved, env = settings(project, tmp_path)
+    with pytest.raises(trained.TrainingError, match=r"copy accuracy 40%"):
+        trained.make_trained(project, resolved, fake_training(40.0, copy_accuracy=0.4), env)  # type: ignore[arg-type]
+
+
+def test_the_installed_engine_trains_when_the_profile_names_another(project: Project, tmp_path: Path) -> None:
+    # make-model resolves .env's profile (a GPU pin here) but needs only torch: the installed CPU
+    # engine's Python does, where before it stopped with "no engine environment for vLLM 0.31.0".
+    resolved = resolve(project, model="tiny", overrides=[f"HF_CACHE_DIR={tmp_path / 'hf'}",
+                                                         "NATIVE_ENGINE_VERSION=0.31.0"])
+    folder = project.cache / "engines" / "vllm-0.32.0+cpu"
+    (folder / "bin").mkdir(parents=True)
+    (folder / "bin" / "python").write_text("")
+    (folder / "vllmstack-engine.json").write_text(json.dumps({"version": "0.32.0+cpu"}))
+    runner = RecordingRunner(dry_run=True)
+    trained.make_trained(project, resolved, runner, {"HOME": str(tmp_path)})  # type: ignore[arg-type]
+    assert runner.calls[0][0] == str(folder / "bin" / "python")
+    from vllmstack.models.kv_calibration import CalibrationError, engine_python
+    with pytest.raises(CalibrationError, match=r"0\.31\.0"):  # calibrate-kv measures with the profile's
+        engine_python(project, resolved, None)

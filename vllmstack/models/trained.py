@@ -27,7 +27,13 @@ from vllmstack.models.kv_calibration import DEFAULT_CORPUS, engine_python
 from vllmstack.runtime.engine_env import engine_environment, stack_paths
 
 TRAINED_SUFFIX = "-trained"
-TARGET_RATIO = 0.05  # held-out perplexity below 5 % of the vocabulary (random guessing: 100 %)
+# Held-out perplexity below half the vocabulary (random guessing scores all of it). The bundled
+# corpus is about 6,000 tokens: a unigram count of its training part scores 44 % on the held-out
+# tenth, and no 2 M parameter model gets far below that on so little text (benchmarks/
+# 2026-12-01-kv-calibration.md). What the gates need most is the copy: COPY_TARGET of a random
+# needle's tokens recalled from 1024 tokens back, as the recall probe asks.
+TARGET_RATIO = 0.5
+COPY_TARGET = 0.9
 
 
 class TrainingError(StackError):
@@ -38,21 +44,24 @@ def train_argv(python: str, folder: Path, corpus: Path, out: Path, *, max_minute
                max_steps: int) -> list[str]:
     return [python, "-m", "vllmstack.models.train_runner", str(folder), str(corpus), str(out),
             "--max-minutes", str(max_minutes), "--max-steps", str(max_steps),
-            "--target-ratio", str(TARGET_RATIO)]
+            "--target-ratio", str(TARGET_RATIO), "--copy-target", str(COPY_TARGET)]
 
 
 def record_training(folder: Path, result: Mapping[str, Any]) -> None:
     """Refuse an undertrained model; note the numbers in the model's record."""
     final, target = float(result.get("final_ppl", "inf")), float(result.get("target_ppl", 0))
-    if not final < target:
+    copied, copy_target = float(result.get("copy_accuracy", 0)), float(result.get("copy_target", COPY_TARGET))
+    if not (final < target and copied >= copy_target):
         raise TrainingError(
-            f"training stopped at held-out perplexity {final:.1f} after {result.get('steps')} steps "
-            f"({result.get('seconds')} s); the target is {target:.1f} (random: {result.get('random_ppl')})",
+            f"training stopped at held-out perplexity {final:.1f} (target below {target:.1f}; random: "
+            f"{result.get('random_ppl')}) and copy accuracy {copied:.0%} (target {copy_target:.0%}) after "
+            f"{result.get('steps')} steps ({result.get('seconds')} s)",
             "give it more time (--max-minutes), or train where the engine has a GPU")
     record_path = folder / tiny.MODEL_RECORD
     record = json.loads(record_path.read_text())
     record["trained"] = {k: result[k] for k in ("initial_ppl", "final_ppl", "target_ppl", "random_ppl",
-                                                  "steps", "seconds", "train_tokens", "heldout_tokens",
+                                                  "copy_accuracy", "copy_target", "copy_context", "steps",
+                                                  "kept_step", "seconds", "train_tokens", "heldout_tokens",
                                                   "versions") if k in result}
     record_path.write_text(json.dumps(record, indent=1) + "\n")
 
@@ -65,7 +74,7 @@ def make_trained(project: Project, resolved: Resolved, runner: Runner, environ: 
     geometry = tiny.PRESETS.get(preset)
     if geometry is None:
         raise TrainingError(f"unknown model preset {preset!r}", f"use one of: {', '.join(tiny.PRESETS)}")
-    interpreter = engine_python(project, resolved, python)
+    interpreter = engine_python(project, resolved, python, any_installed=True)
     env = {**environ, "PYTHONNOUSERSITE": "1", **engine_environment(resolved, load_schema()),
            "PYTHONPATH": os.pathsep.join(p for p in (str(project.root), environ.get("PYTHONPATH", "")) if p)}
     if runner.dry_run:
