@@ -90,7 +90,7 @@ VLLM_SPEC_DECODE='{"method": "mtp", "num_speculative_tokens": 1}'
 VLLM_LIMIT_MM_PER_PROMPT=
 VLLM_MAX_NUM_SEQS=2
 MODEL_QUANT=
-MODEL_WEIGHT_GIB=
+MODEL_WEIGHT_GIB=50
 VLLM_EXTRA_ARGS=--load-format dummy --gdn-prefill-backend triton
 E
 cp .env "$O/dotenv.txt"; cp env/models/h200-*.env "$O/"
