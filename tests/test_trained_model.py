@@ -64,11 +64,13 @@ def test_dry_run_prints_the_training_command(project: Project, tmp_path: Path) -
     assert not (tmp_path / "hf").exists()
 
 
-def test_a_model_that_does_not_copy_is_refused(project: Project, tmp_path: Path) -> None:
-    # The recall probe of calibrate-kv --gate needs a model that copies from its context.
+def test_the_copy_accuracy_is_recorded_beside_the_perplexity(project: Project, tmp_path: Path) -> None:
+    # What the recall probe of calibrate-kv --gate can expect of this model.
     resolved, env = settings(project, tmp_path)
-    with pytest.raises(trained.TrainingError, match=r"copy accuracy 40%"):
-        trained.make_trained(project, resolved, fake_training(40.0, copy_accuracy=0.4), env)  # type: ignore[arg-type]
+    made = trained.make_trained(project, resolved, fake_training(40.0, copy_accuracy=0.4), env)  # type: ignore[arg-type]
+    assert made is not None
+    record = json.loads((made.folder / tiny.MODEL_RECORD).read_text())["trained"]
+    assert (record["copy_accuracy"], record["copy_target"]) == (0.4, 0.9)
 
 
 def test_the_installed_engine_trains_when_the_profile_names_another(project: Project, tmp_path: Path) -> None:

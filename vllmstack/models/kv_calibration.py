@@ -361,7 +361,11 @@ def run_quality_gate(project: Project, resolved: Resolved, runner: Runner, envir
         for dtype in ("auto", "fp8"):
             out = work / f"{dtype}.json"
             argv = [interpreter, "-m", "vllmstack.models.kv_quality_runner", str(calibration.folder),
-                    str(heldout), str(out), "--kv-cache-dtype", dtype]
+                    str(heldout), str(out), "--kv-cache-dtype", dtype,
+                    # On the CPU build the share is of the node's memory, which others use too.
+                    "--memory-share", "0.1" if engine_version(resolved).endswith("+cpu") else "0.5",
+                    # The profile's backend: on the H200's vLLM 0.27.1 FlashAttention does not load.
+                    "--attention-backend", resolved.get_str("ATTENTION_BACKEND") or ""]
             done = runner.run(argv, env=env, cwd=project.root, timeout=1800)
             if not out.is_file():
                 said = (done.stderr or done.stdout).strip()[-600:]

@@ -77,15 +77,19 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--cue", type=int, default=4)
     parser.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
     parser.add_argument("--trials", type=int, default=8)
+    # vLLM's share of the GPU's memory; on its CPU build, of the node's (the host passes less).
+    parser.add_argument("--memory-share", type=float, default=0.5)
+    parser.add_argument("--attention-backend", default="", help="e.g. TRITON_ATTN (default: vLLM's choice)")
     args = parser.parse_args(argv)
     # One process, so the scales can be read from the model after loading (apply_model).
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     vllm = _mod("vllm")
     tokenizer = _mod("tokenizers").Tokenizer.from_file(str(args.model / "tokenizer.json"))
     ids = tokenizer.encode(args.heldout.read_text(encoding="utf-8")).ids
+    backend = {"attention_backend": args.attention_backend} if args.attention_backend else {}
     llm = vllm.LLM(model=str(args.model), kv_cache_dtype=args.kv_cache_dtype, enforce_eager=True,
                    max_model_len=max(args.ppl_tokens, args.context) + 64, seed=0,
-                   gpu_memory_utilization=0.5)
+                   gpu_memory_utilization=args.memory_share, **backend)
     text_ids = ids[:args.ppl_tokens]
     scored = llm.generate([{"prompt_token_ids": text_ids}],
                           vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0))
