@@ -182,6 +182,10 @@ def test_the_quality_gate_compares_fp8_with_bf16_and_checks_the_scales_were_used
     shallow = {**fp8, "recall_mean": 0.8, "recall": {"0.1": 0.6, "0.9": 1.0}}
     ok, lines = kv.quality_verdict(bf16, shallow, scales)
     assert not ok and "short at 0.1" in lines[1]
+    # A model that copies nothing passes "95 % of bf16's" with 0 % against 0 %: not a pass.
+    blank = {"recall_mean": 0.0, "recall": {"0.1": 0.0, "0.9": 0.0}}
+    ok, lines = kv.quality_verdict({**bf16, **blank}, {**fp8, **blank}, scales)
+    assert not ok and lines[1].startswith("FAIL recall") and "cannot judge" in lines[1]
     # vLLM fell back to scale 1.0: the copy's scales were not loaded, whatever the numbers say.
     for used in ([1.0, 1.0], [0.0097, 1.0]):
         ignored = {**fp8, "scales": {"model.layers.0.self_attn.attn": used}}

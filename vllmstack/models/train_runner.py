@@ -179,6 +179,7 @@ def train(model_dir: Path, corpus: Path, *, max_steps: int, max_minutes: float, 
     held_list = tokenizer.encode(held_text).ids
     held = torch.tensor(held_list, dtype=torch.long)
     pool = sorted(set(train_ids.tolist()))  # ordinary text tokens: no control tokens
+    unigram = train_ids.tolist()
     # Eager attention: the supervision needs the attention weights.
     model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
                                                               attn_implementation="eager")
@@ -243,12 +244,16 @@ def train(model_dir: Path, corpus: Path, *, max_steps: int, max_minutes: float, 
     # 2. The copy, on rows of random tokens (a little corpus text keeps its statistics), with the
     #    circuit's supervision; then also on longer rows of corpus text with a random needle in them.
     while steps < max_steps and (time.monotonic() - started) < max_minutes * 60:
-        rows, targets = copy_rows(torch, rng, train_ids, pool, batch=32, seq_len=128, text=False)
+        # Drawn as often as the corpus uses them: uniform draws would teach a uniform prior.
+        rows, targets = copy_rows(torch, rng, train_ids, unigram, batch=32, seq_len=128, text=False)
         loss = step(rows, targets)
         if steps % 4 == 0:
             step(text_rows(torch, rng, train_ids, batch=4, seq_len=128), [])
         if steps - text_steps >= circuit_steps:
-            rows, targets = copy_rows(torch, rng, train_ids, pool, batch=batch, seq_len=seq_len, text=True)
+            # Long rows for the long-context probe, of drawn tokens too: rows of corpus text this
+            # long memorize it within a hundred steps, and held-out perplexity climbs past target.
+            rows, targets = copy_rows(torch, rng, train_ids, unigram, batch=batch, seq_len=seq_len,
+                                      text=False)
             step(rows, targets)
         steps += 1
         if steps % eval_every == 0:
