@@ -182,6 +182,11 @@ def test_the_quality_gate_compares_fp8_with_bf16_and_checks_the_scales_were_used
     shallow = {**fp8, "recall_mean": 0.8, "recall": {"0.1": 0.6, "0.9": 1.0}}
     ok, lines = kv.quality_verdict(bf16, shallow, scales)
     assert not ok and "short at 0.1" in lines[1]
+    # vLLM resolves "auto" to the calibrated copy's fp8 scheme: a baseline that held fp8 is no baseline.
+    ok, lines = kv.quality_verdict({**bf16, "cache_dtype": "auto"}, {**fp8, "cache_dtype": "fp8"}, scales)
+    assert ok and lines[0] == "PASS KV cache dtypes: baseline auto, calibrated fp8"
+    ok, lines = kv.quality_verdict({**bf16, "cache_dtype": "fp8"}, {**fp8, "cache_dtype": "fp8"}, scales)
+    assert not ok and lines[0].startswith("FAIL KV cache dtypes")
     # A model that copies nothing passes "95 % of bf16's" with 0 % against 0 %: not a pass.
     blank = {"recall_mean": 0.0, "recall": {"0.1": 0.0, "0.9": 0.0}}
     ok, lines = kv.quality_verdict({**bf16, **blank}, {**fp8, **blank}, scales)

@@ -288,6 +288,12 @@ def quality_verdict(bf16: Mapping[str, Any], fp8: Mapping[str, Any],
     """PASS when fp8 KV keeps perplexity within PPL_TOLERANCE and recall within RECALL_FLOOR of
     bf16 KV, and vLLM really used the calibrated scales (not its default 1.0)."""
     lines, ok = [], True
+    # What each run's cache really held, as vLLM resolved it (None: an older runner's result).
+    held16, held8 = bf16.get("cache_dtype"), fp8.get("cache_dtype")
+    if held16 is not None or held8 is not None:
+        right = not str(held16).startswith("fp8") and str(held8).startswith("fp8")
+        ok &= right
+        lines.append(f"{'PASS' if right else 'FAIL'} KV cache dtypes: baseline {held16}, calibrated {held8}")
     ppl16, ppl8 = float(bf16.get("ppl", math.inf)), float(fp8.get("ppl", math.inf))
     rise = ppl8 / ppl16 - 1 if math.isfinite(ppl16) and ppl16 > 0 else math.inf
     passed = math.isfinite(rise) and rise <= PPL_TOLERANCE
@@ -353,7 +359,10 @@ def check_fp8_kv_engine(version: str, flags: set[str]) -> None:
 def run_quality_gate(project: Project, resolved: Resolved, runner: Runner, environ: Mapping[str, str],
                      calibration: Calibration, *, python: str | None = None,
                      corpus: Path | None = None, flags: set[str] | None = None) -> tuple[bool, list[str]]:
-    """Serve the calibrated copy in vLLM twice (bf16 KV, fp8 KV) and compare."""
+    """Serve the source checkpoint with a bf16 KV cache and the calibrated copy with fp8, and
+    compare. Not the copy twice: vLLM resolves `--kv-cache-dtype auto` to the checkpoint's
+    kv_cache_scheme (vllm/utils/torch_utils.py, resolve_kv_cache_dtype_string), so "auto" on the
+    copy is fp8 as well, and the two runs agreed to the last digit."""
     check_fp8_kv_engine(engine_version(resolved), cpu_flags() if flags is None else flags)
     interpreter = engine_python(project, resolved, python)
     env = {**environ, "PYTHONNOUSERSITE": "1", **engine_environment(resolved, load_schema()),
@@ -362,9 +371,10 @@ def run_quality_gate(project: Project, resolved: Resolved, runner: Runner, envir
     try:
         heldout = heldout_text(corpus or DEFAULT_CORPUS, work)
         results = {}
-        for dtype in ("auto", "fp8"):
+        source = str(calibration.sidecar.get("source") or "")
+        for dtype, model in (("auto", source), ("fp8", str(calibration.folder))):
             out = work / f"{dtype}.json"
-            argv = [interpreter, "-m", "vllmstack.models.kv_quality_runner", str(calibration.folder),
+            argv = [interpreter, "-m", "vllmstack.models.kv_quality_runner", model,
                     str(heldout), str(out), "--kv-cache-dtype", dtype,
                     # On the CPU build the share is of the node's memory, which others use too.
                     "--memory-share", "0.1" if engine_version(resolved).endswith("+cpu") else "0.5",

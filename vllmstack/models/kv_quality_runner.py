@@ -72,11 +72,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("out", type=Path)
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--ppl-tokens", type=int, default=2048)
-    parser.add_argument("--context", type=int, default=1024)
+    # The tiny trained model's rows are 512 tokens: past that its copy fades (22 % at 1024).
+    parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--needle", type=int, default=16)
     parser.add_argument("--cue", type=int, default=4)
     parser.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
-    parser.add_argument("--trials", type=int, default=8)
+    parser.add_argument("--trials", type=int, default=40)
     # vLLM's share of the GPU's memory; on its CPU build, of the node's (the host passes less).
     parser.add_argument("--memory-share", type=float, default=0.5)
     parser.add_argument("--attention-backend", default="", help="e.g. TRITON_ATTN (default: vLLM's choice)")
@@ -100,21 +101,26 @@ def main(argv: list[str]) -> int:
     depths = [float(d) for d in args.depths.split(",")]
     prompts, expected = recall_prompts(ids, context=args.context, needle=args.needle, cue=args.cue,
                                        depths=depths, trials=args.trials)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                           vllm.SamplingParams(max_tokens=args.needle - args.cue, temperature=0,
-                                               ignore_eos=True))
+    # Scored teacher-forced: the whole needle follows the cue in the prompt, and a needle token
+    # counts when it is the model's first choice given the true tokens before it. Free-running
+    # greedy decoding would let one early miss derail the rest, which made bf16 and fp8 differ by
+    # 8 points at a depth on the same prompts by chance alone.
+    outputs = llm.generate([{"prompt_token_ids": p + e} for p, e in zip(prompts, expected, strict=True)],
+                           vllm.SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))
     recall: dict[str, float] = {}
     for index, depth in enumerate(depths):
         hits = total_tokens = 0
         for k in range(index * args.trials, (index + 1) * args.trials):
-            got = list(outputs[k].outputs[0].token_ids)
-            hits += sum(1 for a, b in zip(got, expected[k], strict=False) if a == b)
+            scored = (outputs[k].prompt_logprobs or [])[-len(expected[k]):]
+            hits += sum(1 for tok, entry in zip(expected[k], scored, strict=True)
+                        if entry and tok in entry and entry[tok].rank == 1)
             total_tokens += len(expected[k])
         recall[str(depth)] = hits / total_tokens
     result = {"kv_cache_dtype": args.kv_cache_dtype, "ppl": ppl, "ppl_tokens": len(total),
               "recall": recall, "recall_mean": sum(recall.values()) / len(recall),
               "context": args.context, "needle": args.needle, "trials": args.trials,
-              "scales": loaded_scales(llm), "vllm": str(vllm.__version__)}
+              "scales": loaded_scales(llm), "vllm": str(vllm.__version__),
+              "cache_dtype": str(llm.llm_engine.vllm_config.cache_config.cache_dtype)}
     args.out.write_text(json.dumps(result, indent=1))
     print(json.dumps({k: result[k] for k in ("kv_cache_dtype", "ppl", "recall_mean")}))
     return 0
