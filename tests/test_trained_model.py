@@ -88,3 +88,16 @@ def test_the_installed_engine_trains_when_the_profile_names_another(project: Pro
     from vllmstack.models.kv_calibration import CalibrationError, engine_python
     with pytest.raises(CalibrationError, match=r"0\.31\.0"):  # calibrate-kv measures with the profile's
         engine_python(project, resolved, None)
+
+
+def test_the_runner_is_found_from_a_project_without_the_package(project: Project, tmp_path: Path) -> None:
+    # `project` is a copy of the shipped files without vllmstack/ (as any checkout other than the
+    # installed one): PYTHONPATH=<project root> gave "No module named 'vllmstack'" in the engine.
+    import vllmstack
+
+    resolved, env = settings(project, tmp_path)
+    runner = RecordingRunner(dry_run=True)
+    trained.make_trained(project, resolved, runner, env)  # type: ignore[arg-type]
+    assert not (project.root / "vllmstack").exists()
+    path = (runner.envs[0] or {})["PYTHONPATH"].split(":")
+    assert str(Path(vllmstack.__file__).resolve().parents[1]) in path

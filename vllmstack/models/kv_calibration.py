@@ -50,6 +50,7 @@ SCALES_FILE = "kv_scales.safetensors"
 FORMAT_VERSION = 2  # 2: the corpus's held-out tenth is no longer measured
 KV_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
 DEFAULT_CORPUS = Path(__file__).resolve().parents[1] / "bench" / "workload" / "corpus" / "essays.txt"
+PACKAGE_PARENT = Path(__file__).resolve().parents[2]
 
 
 class CalibrationError(StackError):
@@ -188,6 +189,13 @@ def write_calibrated_copy(plan: CalibrationPlan, scales: Mapping[str, Mapping[st
     return plan.target
 
 
+def runner_path(environ: Mapping[str, str]) -> str:
+    """PYTHONPATH for `python -m vllmstack.models.*_runner` in the engine's Python: the folder
+    that holds this package, which is not the project's root when the stack runs from another
+    checkout or an installed package (the runner then was "No module named 'vllmstack'")."""
+    return os.pathsep.join(p for p in (str(PACKAGE_PARENT), environ.get("PYTHONPATH", "")) if p)
+
+
 def engine_python(project: Project, resolved: Resolved, python: str | None, *,
                   any_installed: bool = False) -> str:
     """--python; NATIVE_ENGINE_COMMAND's interpreter (`<python> -m vllm...`); install-engine's for
@@ -232,7 +240,7 @@ def ensure_calibrated(project: Project, resolved: Resolved, runner: Runner, envi
     plan = plan_calibration(project, resolved, environ, corpus=corpus, tokens=tokens)
     interpreter = engine_python(project, resolved, python)
     env = {**environ, "PYTHONNOUSERSITE": "1", **engine_environment(resolved, load_schema()),
-           "PYTHONPATH": os.pathsep.join(p for p in (str(project.root), environ.get("PYTHONPATH", "")) if p)}
+           "PYTHONPATH": runner_path(environ)}
     # The engine's version pins its torch and transformers: a new engine re-measures.
     versions = {"engine": engine_version(resolved) or "(unset)", "python": interpreter}
     reason = "forced" if force else staleness(plan, versions)
@@ -366,7 +374,7 @@ def run_quality_gate(project: Project, resolved: Resolved, runner: Runner, envir
     check_fp8_kv_engine(engine_version(resolved), cpu_flags() if flags is None else flags)
     interpreter = engine_python(project, resolved, python)
     env = {**environ, "PYTHONNOUSERSITE": "1", **engine_environment(resolved, load_schema()),
-           "PYTHONPATH": os.pathsep.join(p for p in (str(project.root), environ.get("PYTHONPATH", "")) if p)}
+           "PYTHONPATH": runner_path(environ)}
     work = Path(tempfile.mkdtemp(prefix="kv-quality-"))
     try:
         heldout = heldout_text(corpus or DEFAULT_CORPUS, work)

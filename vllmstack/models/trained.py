@@ -12,7 +12,6 @@ is refused, so a "trained" model is never a random one.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from vllmstack.core.errors import StackError
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner
 from vllmstack.models import tiny
-from vllmstack.models.kv_calibration import DEFAULT_CORPUS, engine_python
+from vllmstack.models.kv_calibration import DEFAULT_CORPUS, engine_python, runner_path
 from vllmstack.runtime.engine_env import engine_environment, stack_paths
 
 TRAINED_SUFFIX = "-trained"
@@ -77,7 +76,7 @@ def make_trained(project: Project, resolved: Resolved, runner: Runner, environ: 
         raise TrainingError(f"unknown model preset {preset!r}", f"use one of: {', '.join(tiny.PRESETS)}")
     interpreter = engine_python(project, resolved, python, any_installed=True)
     env = {**environ, "PYTHONNOUSERSITE": "1", **engine_environment(resolved, load_schema()),
-           "PYTHONPATH": os.pathsep.join(p for p in (str(project.root), environ.get("PYTHONPATH", "")) if p)}
+           "PYTHONPATH": runner_path(environ)}
     if runner.dry_run:
         runner.run(train_argv(interpreter, Path("<new model>"), DEFAULT_CORPUS, Path("<result.json>"),
                               max_minutes=max_minutes, max_steps=max_steps), env=env, cwd=project.root)
