@@ -380,19 +380,19 @@ def engines(c: Context, platform: Opt = None, json: bool = False) -> None:
 
 
 @stack_task(help={**JSON_HELP, "preset": "which model: tiny (a 2-layer Qwen3 for the cpu platform)",
-                  "force": "make it again even when it is there",
+                  "force": "make it again even when it is there", "minutes": "--trained: at most (20 min)",
                   "out": "write into this folder instead of the Hugging Face cache (e.g. MODELS_DIR/x)",
                   "trained": "train it on the bundled corpus (the engine's Python): tiny-qwen3-trained",
                   "python": "--trained: the Python with torch (default: the engine's)"})
 def make_model(c: Context, preset: str = "tiny", out: Opt = None, force: bool = False,
-               trained: bool = False, python: Opt = None, json: bool = False) -> None:
+               trained: bool = False, python: Opt = None, minutes: float = 20.0, json: bool = False) -> None:
     """Make a random-weight (or --trained) model with a real tokenizer and chat template."""
     from vllmstack.models import tiny
     from vllmstack.models.trained import make_trained
 
     where, resolved = Path(out).expanduser() if out else None, _resolve(None, None, None)
     made = (make_trained(_project(), resolved, _runner(False), os.environ, preset=preset, out=where,
-                         force=force, python=python) if trained else
+                         force=force, python=python, max_minutes=minutes) if trained else
             tiny.make_for_stack(resolved, os.environ, preset, out=where, force=force))
     if made is None:
         return

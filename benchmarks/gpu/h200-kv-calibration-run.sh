@@ -39,7 +39,7 @@ cp .env "$O/dotenv.txt"
 nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv > "$O/nvidia-smi.csv" 2>&1
 
 step "make-model --trained (tiny, on the GPU)"
-timeout $(tmo 150) $INV make-model --trained --json > "$O/trained.json" 2> "$O/trained.err"
+timeout $(tmo 200) $INV make-model --trained --minutes 2.5 --json > "$O/trained.json" 2> "$O/trained.err"
 echo "rc=$?" | tee -a "$O/steps.log"; tail -4 "$O/trained.err"; head -c 600 "$O/trained.json"; echo
 step "calibrate-kv --gate (tiny trained)"
 timeout $(tmo 200) $INV calibrate-kv --model tiny --platform nvidia --gate \
