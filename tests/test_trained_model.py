@@ -101,3 +101,16 @@ def test_the_runner_is_found_from_a_project_without_the_package(project: Project
     assert not (project.root / "vllmstack").exists()
     path = (runner.envs[0] or {})["PYTHONPATH"].split(":")
     assert str(Path(vllmstack.__file__).resolve().parents[1]) in path
+
+
+def test_the_trainer_leaves_stdout_to_the_tasks_json(monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str],
+                                                     tmp_path: Path) -> None:
+    # make-model --trained --json printed the trainer's summary line before its own JSON.
+    from vllmstack.models import train_runner
+
+    summary = {"initial_ppl": 1306.3, "final_ppl": 594.3, "copy_accuracy": 0.47, "steps": 9, "seconds": 1.0}
+    monkeypatch.setattr(train_runner, "train", lambda *args, **kwargs: summary)
+    assert train_runner.main([str(tmp_path), str(tmp_path / "corpus.txt"), str(tmp_path / "out.json")]) == 0
+    said = capsys.readouterr()
+    assert said.out == "" and json.loads(said.err)["final_ppl"] == 594.3

@@ -274,7 +274,7 @@ def train(model_dir: Path, corpus: Path, *, max_steps: int, max_minutes: float, 
     model.load_state_dict(best[1])
     ppl = heldout_ppl(torch, model, held, 256)
     copied = copy_accuracy(torch, model, held_list, pool, context=copy_context)
-    state = {name: tensor.detach().to(torch.bfloat16).contiguous()
+    state = {name: tensor.detach().to(torch.bfloat16).cpu().contiguous()
              for name, tensor in model.state_dict().items()}
     _mod("safetensors.torch").save_file(state, str(model_dir / "model.safetensors"),
                                         metadata={"format": "pt"})
@@ -313,8 +313,9 @@ def main(argv: list[str]) -> int:
                    copy_context=args.copy_context, circuit_steps=args.circuit_steps,
                    smoothing=args.label_smoothing)
     args.out.write_text(json.dumps(result, indent=1))
+    # stderr: the task's own --json owns stdout.
     print(json.dumps({k: result[k] for k in ("initial_ppl", "final_ppl", "copy_accuracy", "steps",
-                                             "seconds")}))
+                                             "seconds")}), file=sys.stderr)
     return 0
 
 
