@@ -178,6 +178,9 @@ def test_the_quality_gate_compares_fp8_with_bf16_and_checks_the_scales_were_used
     assert not kv.quality_verdict(bf16, worse, scales)[0]
     forgetful = {**fp8, "recall_mean": 0.7}  # 87.5 % of bf16's
     assert not kv.quality_verdict(bf16, forgetful, scales)[0]
+    # One depth at 92.5 % of bf16's with the score at 96 %: within the per-depth floor (90 %).
+    uneven = {**fp8, "recall_mean": 0.77, "recall": {"0.1": 0.74, "0.9": 0.8}}
+    assert kv.quality_verdict(bf16, uneven, scales)[0]
     # The mean holds, but the far past (the shallowest needle) is lost.
     shallow = {**fp8, "recall_mean": 0.8, "recall": {"0.1": 0.6, "0.9": 1.0}}
     ok, lines = kv.quality_verdict(bf16, shallow, scales)
