@@ -184,6 +184,12 @@ PATH = Value("a path", "/path/to/it", _path)
 WORD = text("a word", "auto")
 ENGINE_PROFILE = Value("ENGINE:PROFILE", "vllm:tiny", _engine_profile)
 
+def _minutes(t: str) -> float:
+    if not NUMBER.fullmatch(t.strip()) or not 0 < (number := float(t)) <= 1440:  # NaN fails too
+        raise ValueProblemError("is not a number of minutes above 0 and at most 1440")
+    return number
+
+
 # Every option name the tasks use, with what it holds. A task where a name means something else
 # passes its own Value (stack_task(values=...)); the benchmark tasks use bench/options.py's.
 OPTIONS: dict[str, Value] = {
@@ -202,6 +208,7 @@ OPTIONS: dict[str, Value] = {
     "max_tokens": whole(2, 1_000_000, "a number of tokens", 200),
     "ctx": whole(1, 1_000_000, "a number of tokens", 8000),
     "concurrency": whole(1, 4096, "a number of streams", 4),
+    "minutes": Value("minutes above 0, at most 1440", "20", _minutes),
     # addresses
     "host": text("an address", "127.0.0.1", empty=False), "port": PORT,
     "engine_url": text("a URL", "http://127.0.0.1:8000", empty=False),
