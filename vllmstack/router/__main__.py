@@ -16,9 +16,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import vllmstack.router.options as options
 from vllmstack.core.errors import StackError
 from vllmstack.core.paths import Project
-from vllmstack.router import options
 from vllmstack.router.options import TOKEN_VAR
 from vllmstack.router.service import DEFAULT_HOST, DEFAULT_PORT, run_router, show_plan
 

@@ -37,8 +37,9 @@ import math
 from collections.abc import Coroutine
 from typing import Any
 
+import vllmstack.router.swaps as swaps
+import vllmstack.router.watch as watch
 from vllmstack.core.errors import StackError
-from vllmstack.router import swaps, watch
 from vllmstack.router.catalog import Entry
 from vllmstack.router.member import Cut, Member
 from vllmstack.router.plan import RESTART, Arrangement

@@ -25,11 +25,11 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TextIO
 
+import vllmstack.router.options as options
 from vllmstack.core import access
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner, SubprocessRunner
 from vllmstack.observe.health import identify_server
-from vllmstack.router import options
 from vllmstack.router.catalog import Catalog, build_catalog
 from vllmstack.router.engines import DRAIN_TIMEOUT_S, EngineManager, Lifecycle
 from vllmstack.router.front import Front
