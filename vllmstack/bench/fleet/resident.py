@@ -171,10 +171,13 @@ def take_down(stack: Stack, spec: str, notes: list[str]) -> str | None:
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 
 
-class Interrupted(BaseException):
+class Interrupted(KeyboardInterrupt):
     """SIGTERM, SIGHUP (the terminal closed) or SIGINT ended a command that brings profiles up
     and down. Raised in the main thread where it was, so the `finally` that takes the profile
-    down runs; a BaseException, so no `except StackError`/`Exception` on the way swallows it."""
+    down runs. A KeyboardInterrupt, not a plain BaseException: asyncio re-raises only that (and
+    SystemExit) from its callbacks; any other exception raised where the signal landed inside a
+    transport's `data_received` was logged as a fatal error on that connection and swallowed, and
+    `burn` then waited with its engine up (CI, stop 30). No `except Exception` swallows it."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
@@ -204,7 +207,16 @@ def stop_on_signals() -> Iterator[None]:
         if _GUARD.depth:
             _GUARD.pending = signum
             return
-        raise Interrupted(signum)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # plain code (starting, waiting for /health): raise where it is
+            raise Interrupted(signum) from None
+        # Inside a running event loop the handler may land in any task, leaving that task
+        # holding the exception ("Task exception was never retrieved" at exit), or in asyncio's
+        # own bookkeeping. Raised from a callback of its own instead, it leaves the loop at the
+        # next turn; asyncio.run then cancels every task cleanly. `_threadsafe`: it wakes a
+        # loop that is waiting in select() for a server that is slow to answer.
+        loop.call_soon_threadsafe(_raise_interrupted, signum)
 
     previous = {sig: signal.signal(sig, interrupt) for sig in STOP_SIGNALS}
     _GUARD.installed, _GUARD.pending = True, None
@@ -214,6 +226,10 @@ def stop_on_signals() -> Iterator[None]:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         _GUARD.installed = False
+
+
+def _raise_interrupted(signum: int) -> None:
+    raise Interrupted(signum)
 
 
 @contextlib.contextmanager
