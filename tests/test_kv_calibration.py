@@ -17,8 +17,9 @@ from conftest import ROOT, need
 from vllmstack.config.profiles import resolve
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import RecordingRunner, Result
-from vllmstack.models import kv_calibration as kv
+from vllmstack.models import kv_calibration as gate
 from vllmstack.models import tiny
+from vllmstack.tune import kv_copy as kv
 
 ENGINE_PYTHON = ROOT / ".cache" / "engines" / "vllm-0.32.0+cpu" / "bin" / "python"
 
@@ -172,45 +173,46 @@ def test_the_quality_gate_compares_fp8_with_bf16_and_checks_the_scales_were_used
             "scales": {"model.layers.0.self_attn.attn": [1.0, 1.0]}}
     fp8 = {"ppl": 50.9, "recall_mean": 0.78, "recall": {"0.1": 0.78, "0.9": 0.78},
            "scales": {"model.layers.0.self_attn.attn": [0.0097, 0.0032]}}
-    ok, lines = kv.quality_verdict(bf16, fp8, scales)
+    ok, lines = gate.quality_verdict(bf16, fp8, scales)
     assert ok and all(line.startswith("PASS") for line in lines)
     worse = {**fp8, "ppl": 51.5}  # +3 %
-    assert not kv.quality_verdict(bf16, worse, scales)[0]
+    assert not gate.quality_verdict(bf16, worse, scales)[0]
     forgetful = {**fp8, "recall_mean": 0.7}  # 87.5 % of bf16's
-    assert not kv.quality_verdict(bf16, forgetful, scales)[0]
+    assert not gate.quality_verdict(bf16, forgetful, scales)[0]
     # One depth at 92.5 % of bf16's with the score at 96 %: within the per-depth floor (90 %).
     uneven = {**fp8, "recall_mean": 0.77, "recall": {"0.1": 0.74, "0.9": 0.8}}
-    assert kv.quality_verdict(bf16, uneven, scales)[0]
+    assert gate.quality_verdict(bf16, uneven, scales)[0]
     # The mean holds, but the far past (the shallowest needle) is lost.
     shallow = {**fp8, "recall_mean": 0.8, "recall": {"0.1": 0.6, "0.9": 1.0}}
-    ok, lines = kv.quality_verdict(bf16, shallow, scales)
+    ok, lines = gate.quality_verdict(bf16, shallow, scales)
     assert not ok and "short at 0.1" in lines[1]
     # vLLM resolves "auto" to the calibrated copy's fp8 scheme: a baseline that held fp8 is no baseline.
-    ok, lines = kv.quality_verdict({**bf16, "cache_dtype": "auto"}, {**fp8, "cache_dtype": "fp8"}, scales)
+    ok, lines = gate.quality_verdict({**bf16, "cache_dtype": "auto"}, {**fp8, "cache_dtype": "fp8"}, scales)
     assert ok and lines[0] == "PASS KV cache dtypes: baseline auto, calibrated fp8"
-    ok, lines = kv.quality_verdict({**bf16, "cache_dtype": "fp8"}, {**fp8, "cache_dtype": "fp8"}, scales)
+    ok, lines = gate.quality_verdict({**bf16, "cache_dtype": "fp8"}, {**fp8, "cache_dtype": "fp8"}, scales)
     assert not ok and lines[0].startswith("FAIL KV cache dtypes")
     # A model that copies nothing passes "95 % of bf16's" with 0 % against 0 %: not a pass.
     blank = {"recall_mean": 0.0, "recall": {"0.1": 0.0, "0.9": 0.0}}
-    ok, lines = kv.quality_verdict({**bf16, **blank}, {**fp8, **blank}, scales)
+    ok, lines = gate.quality_verdict({**bf16, **blank}, {**fp8, **blank}, scales)
     assert not ok and lines[1].startswith("FAIL recall") and "cannot judge" in lines[1]
     # vLLM fell back to scale 1.0: the copy's scales were not loaded, whatever the numbers say.
     for used in ([1.0, 1.0], [0.0097, 1.0]):
         ignored = {**fp8, "scales": {"model.layers.0.self_attn.attn": used}}
-        ok, lines = kv.quality_verdict(bf16, ignored, scales)
+        ok, lines = gate.quality_verdict(bf16, ignored, scales)
         assert not ok and lines[-1].startswith("FAIL vLLM used the calibrated scales")
 
 
-def kv_findings(project: Project, model_dir: Path, kv_dtype: str = "fp8") -> list[Any]:
+def kv_findings(project: Project, model_dir: Path, kv_dtype: str = "fp8",
+                runtime: str | None = None) -> list[Any]:
     from vllmstack.checks.registry import run_checks
 
     resolved = resolve(project, model="tiny", platform="cpu",
                        overrides=[f"VLLM_MODEL={model_dir}", f"VLLM_KV_CACHE_DTYPE={kv_dtype}"])
-    findings, _ = run_checks(project, resolved, {"HOME": "/nonexistent"})
+    findings, _ = run_checks(project, resolved, {"HOME": "/nonexistent"}, runtime=runtime)
     return [f for f in findings if f.code.startswith("kv-")]
 
 
-def test_up_refuses_zero_scales_and_a_stale_copy_and_warns_without_scales(project: Project, model: Path,
+def test_check_refuses_zero_scales_and_a_stale_copy_and_warns_without_scales(project: Project, model: Path,
                                                                           tmp_path: Path) -> None:
     plan = plan_for(project, model, tmp_path)
     folder = kv.write_calibrated_copy(plan, SCALES, plan.identity(VERSIONS))
@@ -223,8 +225,12 @@ def test_up_refuses_zero_scales_and_a_stale_copy_and_warns_without_scales(projec
     assert found.fix is not None and "invoke calibrate-kv" in found.fix
     kv.write_calibrated_copy(plan, SCALES, plan.identity(VERSIONS))
     os.utime(model / "model.safetensors", ns=(5, 5))  # the source's weights changed
-    (found,) = kv_findings(project, folder)
+    # In a container nothing re-measures it: an error. Natively `up` rebuilds it first
+    # (test_kv_served.py): `check` warns that it will, and takes minutes.
+    (found,) = kv_findings(project, folder, runtime="compose")
     assert (found.severity, found.code) == ("error", "kv-calibration-stale")
+    (found,) = kv_findings(project, folder, runtime="native")
+    assert (found.severity, found.code) == ("warning", "kv-calibration-stale")
     fresh = plan_for(project, model, tmp_path)  # what calibrate-kv does next: rebuild
     kv.write_calibrated_copy(fresh, SCALES, fresh.identity(VERSIONS))
     assert kv_findings(project, folder) == []
@@ -235,12 +241,12 @@ def test_up_refuses_zero_scales_and_a_stale_copy_and_warns_without_scales(projec
 
 def test_the_held_out_tenth_is_neither_trained_nor_calibrated_on(project: Project, model: Path,
                                                                  tmp_path: Path) -> None:
-    from vllmstack.models.train_runner import split_corpus
+    from vllmstack.core.corpus import split_corpus
 
     text = kv.DEFAULT_CORPUS.read_text()
     train, held = split_corpus(text)
     assert train + held == text and held.startswith("\n\n") and 0.08 < len(held) / len(text) < 0.12
-    assert kv.heldout_text(kv.DEFAULT_CORPUS, tmp_path).read_text() == held  # what --gate scores
+    assert gate.heldout_text(kv.DEFAULT_CORPUS, tmp_path).read_text() == held  # what --gate scores
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(text)
     resolved = resolve(project, model="tiny", platform="cpu",
@@ -262,13 +268,13 @@ def test_the_held_out_tenth_is_neither_trained_nor_calibrated_on(project: Projec
 
 def test_a_cpu_engine_without_avx512_or_amx_is_refused_before_booting() -> None:
     with pytest.raises(kv.CalibrationError, match=r"cpu_attn\.py") as err:
-        kv.check_fp8_kv_engine("0.32.0+cpu", {"sse4_2", "avx2"})
+        gate.check_fp8_kv_engine("0.32.0+cpu", {"sse4_2", "avx2"})
     assert "GPU" in (err.value.fix or "")
-    kv.check_fp8_kv_engine("0.32.0+cpu", {"avx2", "avx512f"})
-    kv.check_fp8_kv_engine("0.32.0+cpu", {"amx_tile"})
-    kv.check_fp8_kv_engine("0.27.1", {"avx2"})  # a GPU engine: the CPU's flags do not matter
+    gate.check_fp8_kv_engine("0.32.0+cpu", {"avx2", "avx512f"})
+    gate.check_fp8_kv_engine("0.32.0+cpu", {"amx_tile"})
+    gate.check_fp8_kv_engine("0.27.1", {"avx2"})  # a GPU engine: the CPU's flags do not matter
     cpuinfo = Path(__file__).parent / "data" / "nonexistent-cpuinfo"
-    assert kv.cpu_flags(cpuinfo) == set()
+    assert gate.cpu_flags(cpuinfo) == set()
 
 
 def test_the_recall_probe_hides_a_random_needle_at_each_depth() -> None:

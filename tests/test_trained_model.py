@@ -85,7 +85,7 @@ def test_the_installed_engine_trains_when_the_profile_names_another(project: Pro
     runner = RecordingRunner(dry_run=True)
     trained.make_trained(project, resolved, runner, {"HOME": str(tmp_path)})  # type: ignore[arg-type]
     assert runner.calls[0][0] == str(folder / "bin" / "python")
-    from vllmstack.models.kv_calibration import CalibrationError, engine_python
+    from vllmstack.tune.kv_copy import CalibrationError, engine_python
     with pytest.raises(CalibrationError, match=r"0\.31\.0"):  # calibrate-kv measures with the profile's
         engine_python(project, resolved, None)
 

@@ -2,8 +2,8 @@
 (`invoke make-model --trained`), its fp8 KV scales measured, the calibrated copy served by vLLM's
 CPU build with bf16 and with fp8 KV, and both gates passing: held-out perplexity within 2 %,
 needle recall at every depth at least 95 % of bf16's (and bf16's itself real), and the scales
-vLLM used the calibrated ones. Then what `up` does with that copy: a zeroed scale is refused, a
-stale sidecar is refused and calibrate-kv rebuilds it.
+vLLM used the calibrated ones. Then what `up` does with that copy: a zeroed scale is refused, and
+with VLLM_KV_SCALES=calibrated a stale sidecar is measured again, the copy rebuilt and served.
 
 vLLM's CPU build keeps an fp8 KV cache only on x86 with AVX-512 or AMX (its cpu_attn backend);
 elsewhere the test is skipped with that reason. Training and two engine boots take several
@@ -27,8 +27,8 @@ from conftest import need
 from helpers import ROOT, copy_project, free_port, write_dotenv
 from test_real_cpu_engine import ENGINE_VERSION, provision_engine
 
-from vllmstack.checks.kv_scales import SIDECAR
 from vllmstack.models.kv_calibration import RECALL_MEANINGFUL, cpu_flags
+from vllmstack.tune.kv_copy import SIDECAR
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_engine]
 TRAINED = "vllmstack/tiny-qwen3-trained"
@@ -114,7 +114,7 @@ def check(box: Box, folder: Path, *command: str) -> subprocess.CompletedProcess[
                       "--set", "VLLM_KV_CACHE_DTYPE=fp8", timeout=600)
 
 
-def test_up_refuses_a_zeroed_scale_and_a_stale_sidecar_is_rebuilt(box: Box, gated: str) -> None:
+def test_up_refuses_a_zeroed_scale_and_rebuilds_a_stale_copy_before_serving_it(box: Box, gated: str) -> None:
     folder = calibrated_folder(gated)
     assert check(box, folder).returncode == 0
     sidecar_path = folder / SIDECAR
@@ -128,14 +128,23 @@ def test_up_refuses_a_zeroed_scale_and_a_stale_sidecar_is_rebuilt(box: Box, gate
         said = refused.stdout + refused.stderr
         assert refused.returncode == 1, said
         assert "kv-scales-unusable" in said and "invoke calibrate-kv" in said, said
-    # A sidecar measured on another snapshot of the source: refused, then rebuilt by calibrate-kv.
+    # A sidecar measured on another snapshot of the source: `check` warns, and `up` with
+    # VLLM_KV_SCALES=calibrated measures again in the engine's Python, rebuilds the copy and
+    # serves it with the real engine ("ensure" semantics).
     sidecar = json.loads(good)
     sidecar["source_revision"] = "an-older-snapshot"
     sidecar_path.write_text(json.dumps(sidecar))
     stale = check(box, folder)
-    assert stale.returncode == 1 and "kv-calibration-stale" in stale.stdout + stale.stderr
-    rebuilt = box.must("calibrate-kv", "--set", f"VLLM_MODEL={TRAINED}")
-    assert rebuilt.startswith("calibrated (the source snapshot changed"), rebuilt
+    assert stale.returncode == 0 and "kv-calibration-stale" in stale.stdout, stale.stdout + stale.stderr
+    try:
+        served = box.must("up", "--no-dashboard", "--set", f"VLLM_MODEL={TRAINED}",
+                          "--set", "VLLM_KV_CACHE_DTYPE=fp8", "--set", "VLLM_KV_SCALES=calibrated")
+        assert f"fp8 KV scales: calibrating {folder} (the source snapshot changed" in served, served
+        assert "healthy after" in served
+        state = json.loads((box.root / "generated" / "state.json").read_text())
+        assert str(folder) in state["argv"]
+    finally:
+        box.invoke("down", timeout=120)
     assert check(box, folder).returncode == 0
     assert json.loads(sidecar_path.read_text())["source_revision"] != "an-older-snapshot"
     assert ENGINE_VERSION in json.loads(sidecar_path.read_text())["versions"]["engine"]

@@ -1,63 +1,30 @@
 """The fp8 KV-cache scales a model folder carries (`invoke calibrate-kv` makes them).
 
-With VLLM_KV_CACHE_DTYPE=fp8 and a calibrated copy as VLLM_MODEL, `up` (which refuses on error
-findings) will not start on scales that are zero or not finite, nor on a copy whose source
-checkpoint changed since it was measured: the fix is `invoke calibrate-kv`, which rebuilds it. A
-model without any KV scales gets a warning: vLLM then quantizes with scale 1.0.
+With VLLM_KV_CACHE_DTYPE=fp8 and a calibrated copy as VLLM_MODEL (set by hand, or by `up` for
+VLLM_KV_SCALES=calibrated), `up` (which refuses on error findings) will not start on scales that
+are zero or not finite, nor on a copy whose source checkpoint is gone. A copy whose source changed
+is rebuilt by `up` before these rules run (native runtime; in a container it is an error whose fix
+is `invoke calibrate-kv`). A model without any KV scales gets a warning: vLLM then quantizes with
+scale 1.0.
 
-The helpers below are also what `models/kv_calibration.py` writes and judges with.
+The copy, its sidecar and the freshness rules are tune/kv_copy.py's.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import math
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from vllmstack.checks.context import CheckContext
 from vllmstack.core.findings import Finding
-
-SIDECAR = "vllmstack-kv-calibration.json"
-
-
-def source_revision(folder: Path) -> str:
-    """A Hugging Face snapshot's revision (its folder name under snapshots/); for any other
-    folder a hash of config.json and each weight file's name, size and mtime (hashing tens of GB
-    of weights before every `up` would cost minutes)."""
-    if folder.parent.name == "snapshots":
-        return folder.name
-    digest = hashlib.sha256()
-    for path in sorted(folder.iterdir()):
-        if path.name == "config.json":
-            digest.update(path.read_bytes())
-        elif path.suffix in (".safetensors", ".bin") or path.name.endswith(".index.json"):
-            stat = path.stat()
-            digest.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}\n".encode())
-    return "local-" + digest.hexdigest()[:16]
-
-
-def scale_problems(scales: Mapping[str, Mapping[str, Any]]) -> list[str]:
-    """Every scale must be a finite number above zero (a zero scale divides by zero in the cache)."""
-    if not scales:
-        return ["no attention layer was measured"]
-    bad = []
-    for layer, pair in scales.items():
-        for key in ("k_scale", "v_scale"):
-            value = pair.get(key)
-            if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
-                bad.append(f"{layer}.{key}={value!r}")
-    return [f"{len(bad)} scale(s) zero, negative or not finite: {', '.join(bad[:4])}"] if bad else []
-
-
-def read_sidecar(folder: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads((folder / SIDECAR).read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
+from vllmstack.tune.kv_copy import (
+    KV_SCALES_KEY,
+    CalibrationError,
+    plan_calibration,
+    read_sidecar,
+    scale_problems,
+    source_revision,
+)
 
 
 def _has_kv_scales(folder: Path) -> bool:
@@ -71,31 +38,79 @@ def _has_kv_scales(folder: Path) -> bool:
                                         or str(quant.get("quant_method", "")).lower() == "fp8")
 
 
-def rule_kv_scales(ctx: CheckContext) -> list[Finding]:
-    kv_dtype = ctx.get("VLLM_KV_CACHE_DTYPE")
-    folder = ctx.facts.model_dir
-    if not kv_dtype.startswith("fp8") or folder is None:
+CONTAINER_RUNTIMES = ("compose", "compose-v1", "podman")
+
+
+def _calibrated_setting(ctx: CheckContext, folder: Path | None) -> list[Finding]:
+    """VLLM_KV_SCALES=calibrated: what `up` will serve, and what stops it."""
+    if ctx.resolved.get_str(KV_SCALES_KEY) != "calibrated" or not ctx.usable(KV_SCALES_KEY):
         return []
+    kv_dtype = ctx.resolved.get_str("VLLM_KV_CACHE_DTYPE")
+    if not kv_dtype.startswith("fp8"):
+        return [ctx.finding("error", "kv-scales-not-fp8", KV_SCALES_KEY,
+                            f"{KV_SCALES_KEY}=calibrated serves a copy whose config.json declares an "
+                            f"fp8 KV cache, but VLLM_KV_CACHE_DTYPE is {kv_dtype}",
+                            f"set VLLM_KV_CACHE_DTYPE=fp8, or {KV_SCALES_KEY}=checkpoint")]
+    found = []
+    if ctx.get("VLLM_HF_CONFIG_PATH"):
+        found.append(ctx.finding(
+            "error", "kv-scales-config-replaced", "VLLM_HF_CONFIG_PATH",
+            "the calibrated copy's config.json is what makes vLLM load its KV scales, and "
+            "VLLM_HF_CONFIG_PATH replaces it: the scales would not be used",
+            f"unset VLLM_HF_CONFIG_PATH, or set {KV_SCALES_KEY}=checkpoint"))
+    if ctx.runtime in CONTAINER_RUNTIMES:
+        found.append(ctx.finding(
+            "error", "kv-scales-native-only", KV_SCALES_KEY,
+            f"{KV_SCALES_KEY}=calibrated is served by the native runtime only (RUNTIME is "
+            f"{ctx.runtime}): the scales are measured in the engine's Python on this host, and the "
+            "copy links the checkpoint's files by host paths a container does not see",
+            f"RUNTIME=native (invoke install-engine), or {KV_SCALES_KEY}=checkpoint"))
+    if folder is not None and read_sidecar(folder) is None:
+        try:
+            target = plan_calibration(ctx.project, ctx.resolved, ctx.environ).target
+        except CalibrationError as exc:
+            found.append(ctx.finding("error", "kv-calibration-impossible", "VLLM_MODEL", exc.cause, exc.fix))
+        else:
+            found.append(ctx.finding(
+                "info", "kv-calibration-served", KV_SCALES_KEY,
+                f"`up` serves the calibrated copy {target}: it measures the scales first when the "
+                "copy is missing or stale (minutes), and uses it as it is when fresh", None))
+    return found
+
+
+def rule_kv_scales(ctx: CheckContext) -> list[Finding]:
+    folder = ctx.facts.model_dir
+    found = _calibrated_setting(ctx, folder)
+    if not ctx.get("VLLM_KV_CACHE_DTYPE").startswith("fp8") or folder is None:
+        return found
     key, source = "VLLM_MODEL", ctx.resolved.source("VLLM_MODEL")
     fix = f"invoke calibrate-kv --model {ctx.resolved.profile} (it rebuilds the calibrated copy)"
     sidecar = read_sidecar(folder)
-    if sidecar is None:
-        if _has_kv_scales(folder):
-            return []
-        return [Finding("warning", "kv-scales-default", f"fp8 KV cache on {folder}, which carries no KV "
-                        "scales: vLLM quantizes K and V with scale 1.0 (clipping beyond 448)", key, source,
-                        f"invoke calibrate-kv --model {ctx.resolved.profile}, then serve the copy it writes")]
+    if sidecar is None:  # the checkpoint itself
+        if found or _has_kv_scales(folder):
+            return found  # VLLM_KV_SCALES=calibrated: `up` serves the copy, not this folder
+        return [Finding("warning", "kv-scales-default", f"fp8 KV cache on {folder}, which carries no "
+                        "KV scales: vLLM quantizes K and V with scale 1.0 (clipping beyond 448)", key,
+                        source, f"set {KV_SCALES_KEY}=calibrated (`up` then calibrates a copy and "
+                        f"serves it), or run invoke calibrate-kv --model {ctx.resolved.profile}")]
+    # A calibrated copy. A zero scale is refused, never re-measured: that would hide what wrote it.
     problems = scale_problems(sidecar.get("scales") or {})
     if problems:
-        return [Finding("error", "kv-scales-unusable", f"the calibrated copy {folder} has unusable KV "
-                        f"scales: {'; '.join(problems)}", key, source, fix)]
+        return [*found, Finding("error", "kv-scales-unusable", f"the calibrated copy {folder} has "
+                                f"unusable KV scales: {'; '.join(problems)}", key, source,
+                                f"invoke calibrate-kv --model {ctx.resolved.profile} --force")]
     original = Path(str(sidecar.get("source") or ""))
     if not (original / "config.json").is_file():
-        return [Finding("error", "kv-calibration-stale", f"the checkpoint {original} that {folder} was "
-                        "calibrated from is gone (its files are linked, not copied)", key, source, fix)]
+        return [*found, Finding("error", "kv-calibration-stale", f"the checkpoint {original} that "
+                                f"{folder} was calibrated from is gone (its files are linked, not "
+                                "copied)", key, source, fix)]
     now = source_revision(original)
-    if now != sidecar.get("source_revision"):
-        return [Finding("error", "kv-calibration-stale", f"{original} changed since {folder} was "
-                        f"calibrated ({sidecar.get('source_revision')} -> {now}): its scales describe "
-                        "other weights", key, source, fix)]
-    return []
+    if now == sidecar.get("source_revision"):
+        return found
+    changed = (f"{original} changed since {folder} was calibrated ({sidecar.get('source_revision')} "
+               f"-> {now}): its scales describe other weights")
+    if ctx.runtime in CONTAINER_RUNTIMES:  # `up` measures on the host's engine only
+        return [*found, Finding("error", "kv-calibration-stale", changed, key, source, fix)]
+    # A warning, not an error: `up` repairs it, but costs minutes there the user should expect.
+    return [*found, Finding("warning", "kv-calibration-stale", changed + "; `up` measures them again "
+                            "and rebuilds the copy before the engine starts", key, source, None)]

@@ -104,11 +104,12 @@ def calibrate_kv(c: Context, model: Opt = None, platform: Opt = None, set: Sets 
     from pathlib import Path
 
     from vllmstack.models import kv_calibration as kv
+    from vllmstack.tune.kv_copy import ensure_calibrated
 
     resolved, project = resolve_here(model, platform, set), project_here()
     text = Path(corpus).expanduser() if corpus else None
-    done = kv.ensure_calibrated(project, resolved, make_runner(dry_run), os.environ, corpus=text,
-                                python=python, force=force, tokens=tokens)
+    done = ensure_calibrated(project, resolved, make_runner(dry_run), os.environ, corpus=text,
+                             python=python, force=force, tokens=tokens)
     if done is None:
         return
     print_json(done.as_json()) if json else print(kv.render_calibration(done))

@@ -17,7 +17,7 @@ on next-token loss. Two things are learned, because two things are measured late
 Training stops when both targets are met, or the steps or minutes run out; the weights kept are
 those of the best evaluation that met the perplexity target (else the best perplexity seen), and
 go back into model.safetensors under the same names, in bf16. OUT gets the numbers. Only stdlib,
-torch, transformers, tokenizers and safetensors are imported.
+torch, transformers, tokenizers, safetensors and vllmstack.core.corpus (plain Python) are imported.
 """
 
 from __future__ import annotations
@@ -32,15 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-HELDOUT_SHARE = 0.1  # the corpus's last tenth: never trained on, never calibrated on
-
-
-def split_corpus(text: str) -> tuple[str, str]:
-    """(training text, held-out text): cut at the first paragraph break after 90 % of the text."""
-    at = int(len(text) * (1 - HELDOUT_SHARE))
-    brk = text.find("\n\n", at)
-    cut = brk if 0 <= brk < len(text) - 1 else at
-    return text[:cut], text[cut:]
+from vllmstack.core.corpus import split_corpus
 
 
 def _mod(name: str) -> Any:

@@ -22,8 +22,8 @@ from vllmstack.core.errors import StackError
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner
 from vllmstack.models import tiny
-from vllmstack.models.kv_calibration import DEFAULT_CORPUS, engine_python, runner_path
 from vllmstack.runtime.engine_env import engine_environment, stack_paths
+from vllmstack.tune.kv_copy import DEFAULT_CORPUS, engine_python, runner_path
 
 TRAINED_SUFFIX = "-trained"
 # Held-out perplexity below half the vocabulary (random guessing scores all of it). The bundled

@@ -61,6 +61,7 @@ from vllmstack.serve.state import (
     write_state,
 )
 from vllmstack.serve.watch import Progress, wait_until_healthy, warm_up
+from vllmstack.tune.kv_copy import served_model
 
 # The serving layer's commands, one per task (open_stack picks the runtime for all of them).
 __all__ = ["LifecycleError", "UpResult", "clear_caches", "dashboard_down", "dashboard_up", "down",
@@ -129,8 +130,21 @@ def _stop_others(stack: Stack, previous: Mapping[str, Any], *, own: bool, dry_ru
     return stopped_own
 
 
+def _serving(stack: Stack) -> Stack:
+    """The stack of what `up` really serves: with an fp8 KV cache and calibrated scales
+    (VLLM_KV_SCALES=calibrated, or VLLM_MODEL a calibrated copy), the copy, made or rebuilt first
+    when it is missing or stale ("ensure": tune.kv_copy.served_model)."""
+    served = served_model(stack.project, stack.resolved, stack.runner, stack.environ,
+                          runtime=stack.engine.name, say=lambda line: print(line, file=stack.out))
+    if served is stack.resolved:
+        return stack
+    return open_stack(stack.project, served, stack.environ, stack.runner, runtime=stack.engine.name,
+                      probe=stack.probe, out=stack.out, slot=stack.slot, siblings=stack.siblings)
+
+
 def _up(stack: Stack, *, timeout: float | None, force: bool, dashboard: bool,
         dry_run: bool, stop_other: bool) -> UpResult:
+    stack = _serving(stack)
     out = stack.out
     resolved = stack.resolved
     command, findings = preflight(stack.project, resolved, stack.environ, stack.engine.name,

@@ -1,0 +1,175 @@
+"""What `up` serves when the KV cache is fp8 and the scales are calibrated ("ensure" semantics,
+issue 25): the copy is made when missing, kept when fresh, rebuilt when its source changed, and a
+zero scale is refused rather than measured over. The measurement is a stand-in here (it answers
+as kv_calibrate_runner does); tests/integration/test_real_kv_calibration.py measures for real."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from vllmstack.checks.registry import run_checks
+from vllmstack.config.profiles import Resolved, resolve
+from vllmstack.core.paths import Project
+from vllmstack.core.runner import RecordingRunner, Result
+from vllmstack.tune import kv_copy as kv
+
+PYTHON = "/opt/engine/bin/python3"
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3", "num_hidden_layers": 2}))
+    (folder / "model.safetensors").write_bytes(b"weights")
+    (folder / "tokenizer.json").write_text("{}")
+    return folder
+
+
+class Measure:
+    """Answers `python -m vllmstack.models.kv_calibrate_runner SOURCE TEXT OUT` with amax values."""
+
+    def __init__(self, amax: float = 4.0) -> None:
+        self.amax = amax
+        self.calls: list[tuple[str, ...]] = []
+
+    def __call__(self, argv: tuple[str, ...]) -> Result:
+        self.calls.append(argv)
+        layers = {f"model.layers.{i}.self_attn": {"k_amax": self.amax * (i + 1), "v_amax": self.amax}
+                  for i in range(2)}
+        Path(argv[5]).write_text(json.dumps({"layers": layers, "tokens": 123}))
+        return Result(argv, 0)
+
+
+def profile(project: Project, model: Path, tmp_path: Path, *sets: str) -> Resolved:
+    return resolve(project, model="tiny", platform="cpu", overrides=[
+        f"VLLM_MODEL={model}", f"MODELS_DIR={tmp_path / 'models'}", "VLLM_KV_CACHE_DTYPE=fp8",
+        f"NATIVE_ENGINE_COMMAND={PYTHON} -m vllm.entrypoints.cli.main", *sets])
+
+
+def serve(project: Project, resolved: Resolved, tmp_path: Path, measure: Measure,
+          runtime: str = "native") -> tuple[Resolved, list[str]]:
+    runner = RecordingRunner()
+    runner.respond([PYTHON], measure)
+    said: list[str] = []
+    served = kv.served_model(project, resolved, runner, {"HOME": str(tmp_path)}, runtime=runtime,
+                             say=said.append)
+    return served, said
+
+
+def findings(project: Project, resolved: Resolved, tmp_path: Path, runtime: str = "native") -> dict[str, str]:
+    found, _ = run_checks(project, resolved, {"HOME": str(tmp_path)}, runtime=runtime)
+    return {f.code: f.severity for f in found if f.code.startswith("kv-")}
+
+
+def test_calibrated_is_made_once_served_and_kept_while_fresh(project: Project, model: Path,
+                                                              tmp_path: Path) -> None:
+    resolved = profile(project, model, tmp_path, "VLLM_KV_SCALES=calibrated")
+    measure = Measure()
+    served, said = serve(project, resolved, tmp_path, measure)
+    copy = tmp_path / "models" / "calibrated" / "m-kv-fp8"
+    assert served.get("VLLM_MODEL") == str(copy)
+    assert "VLLM_KV_SCALES=calibrated" in (served.source("VLLM_MODEL") or "")
+    assert len(measure.calls) == 1 and measure.calls[0][3] == str(model)
+    assert "no calibrated copy yet" in said[0]
+    sidecar = kv.read_sidecar(copy)
+    assert sidecar is not None and sidecar["scales"]["model.layers.1.self_attn"]["k_scale"] == 8 / 448
+    assert (copy / "model.safetensors").resolve() == (model / "model.safetensors").resolve()
+    # The served profile passes the checks `up` runs: no stale, no default-scale warning.
+    assert findings(project, served, tmp_path) == {}
+
+    again, said = serve(project, resolved, tmp_path, measure)
+    assert again.get("VLLM_MODEL") == str(copy) and len(measure.calls) == 1
+    assert said == [f"fp8 KV scales: serving the calibrated copy {copy} (fresh)"]
+
+
+def test_a_changed_source_is_measured_again_before_serving(project: Project, model: Path,
+                                                           tmp_path: Path) -> None:
+    resolved = profile(project, model, tmp_path, "VLLM_KV_SCALES=calibrated")
+    measure = Measure()
+    serve(project, resolved, tmp_path, measure)
+    (model / "model.safetensors").write_bytes(b"new weights, another size")
+    measure.amax = 2.0
+    served, said = serve(project, resolved, tmp_path, measure)
+    assert len(measure.calls) == 2
+    assert "the source snapshot changed" in said[0]
+    sidecar = kv.read_sidecar(Path(served.get_str("VLLM_MODEL")))
+    assert sidecar is not None and sidecar["scales"]["model.layers.0.self_attn"]["v_scale"] == 2 / 448
+
+
+def test_a_copy_named_as_the_model_is_rebuilt_in_place_when_stale(project: Project, model: Path,
+                                                                  tmp_path: Path) -> None:
+    """The hand-written form calibrate-kv printed before: VLLM_MODEL=<the copy>."""
+    measure = Measure()
+    made, _ = serve(project, profile(project, model, tmp_path, "VLLM_KV_SCALES=calibrated"),
+                    tmp_path, measure)
+    copy = Path(made.get_str("VLLM_MODEL"))
+    direct = profile(project, copy, tmp_path)
+    # `check` alone says what `up` will do; it is not an error on the native runtime.
+    (model / "model.safetensors").write_bytes(b"retrained")
+    assert findings(project, direct, tmp_path) == {"kv-calibration-stale": "warning"}
+    assert findings(project, direct, tmp_path, runtime="compose") == {"kv-calibration-stale": "error"}
+    served, said = serve(project, direct, tmp_path, measure)
+    assert served is direct and len(measure.calls) == 2 and "source snapshot changed" in said[0]
+    assert findings(project, direct, tmp_path) == {}
+    _, said = serve(project, direct, tmp_path, measure)
+    assert len(measure.calls) == 2 and said == [f"fp8 KV scales: {copy} is fresh"]
+
+
+def test_a_zero_scale_is_refused_not_measured_over(project: Project, model: Path, tmp_path: Path) -> None:
+    measure = Measure()
+    made, _ = serve(project, profile(project, model, tmp_path, "VLLM_KV_SCALES=calibrated"),
+                    tmp_path, measure)
+    copy = Path(made.get_str("VLLM_MODEL"))
+    sidecar = json.loads((copy / kv.SIDECAR).read_text())
+    sidecar["scales"]["model.layers.1.self_attn"]["v_scale"] = 0.0
+    (copy / kv.SIDECAR).write_text(json.dumps(sidecar))
+    (model / "model.safetensors").write_bytes(b"retrained")  # stale too: still not re-measured
+    for resolved in (profile(project, copy, tmp_path),
+                     profile(project, model, tmp_path, "VLLM_KV_SCALES=calibrated")):
+        served, _ = serve(project, resolved, tmp_path, measure)
+        assert len(measure.calls) == 1
+        assert findings(project, served, tmp_path)["kv-scales-unusable"] == "error"
+
+
+def test_calibrated_in_a_container_or_with_another_kv_dtype_is_refused(project: Project, model: Path,
+                                                                       tmp_path: Path) -> None:
+    resolved = profile(project, model, tmp_path, "VLLM_KV_SCALES=calibrated")
+    with pytest.raises(kv.CalibrationError, match="native runtime only") as err:
+        serve(project, resolved, tmp_path, Measure(), runtime="compose")
+    assert "RUNTIME=native" in (err.value.fix or "")
+    assert findings(project, resolved, tmp_path, runtime="compose")["kv-scales-native-only"] == "error"
+    bf16 = profile(project, model, tmp_path, "VLLM_KV_SCALES=calibrated", "VLLM_KV_CACHE_DTYPE=bfloat16")
+    assert findings(project, bf16, tmp_path) == {"kv-scales-not-fp8": "error"}
+    served, _ = serve(project, bf16, tmp_path, Measure())
+    assert served is bf16  # nothing measured; the check stops `up`
+    replaced = profile(project, model, tmp_path, "VLLM_KV_SCALES=calibrated",
+                       f"VLLM_HF_CONFIG_PATH={tmp_path}")
+    assert findings(project, replaced, tmp_path)["kv-scales-config-replaced"] == "error"
+
+
+def test_without_calibrated_nothing_changes(project: Project, model: Path, tmp_path: Path) -> None:
+    resolved = profile(project, model, tmp_path)
+    measure = Measure()
+    served, said = serve(project, resolved, tmp_path, measure)
+    assert served is resolved and measure.calls == [] and said == []
+    # The default-scale warning names the setting that fixes it.
+    found, _ = run_checks(project, resolved, {"HOME": str(tmp_path)}, runtime="native")
+    warning = next(f for f in found if f.code == "kv-scales-default")
+    assert "VLLM_KV_SCALES=calibrated" in (warning.fix or "")
+
+
+def test_dry_run_prints_the_measurement_and_serves_the_copy_path(project: Project, model: Path,
+                                                                 tmp_path: Path) -> None:
+    resolved = profile(project, model, tmp_path, "VLLM_KV_SCALES=calibrated")
+    runner = RecordingRunner(dry_run=True)  # what a dry runner is given is printed, not run
+    said: list[str] = []
+    served = kv.served_model(project, resolved, runner, {"HOME": str(tmp_path)}, runtime="native",
+                             say=said.append)
+    assert [c[:3] for c in runner.calls] == [(PYTHON, "-m", "vllmstack.models.kv_calibrate_runner")]
+    assert not (tmp_path / "models" / "calibrated").exists()
+    assert served.get("VLLM_MODEL") == str(tmp_path / "models" / "calibrated" / "m-kv-fp8")
+    assert said and "calibrating" in said[0]
