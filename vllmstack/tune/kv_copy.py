@@ -45,7 +45,7 @@ from vllmstack.core.errors import StackError
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner
 from vllmstack.runtime.engine_env import engine_environment, stack_paths
-from vllmstack.runtime.native.install import engine_dir, engine_version, list_engines
+from vllmstack.runtime.native.install import engine_interpreter, engine_version
 
 SIDECAR = "vllmstack-kv-calibration.json"
 FP8_E4M3_MAX = 448.0
@@ -239,22 +239,12 @@ def runner_path(environ: Mapping[str, str]) -> str:
 
 def engine_python(project: Project, resolved: Resolved, python: str | None, *,
                   any_installed: bool = False) -> str:
-    """--python; NATIVE_ENGINE_COMMAND's interpreter (`<python> -m vllm...`); install-engine's for
-    the profile's version; with `any_installed` (training needs torch, not a given vLLM), the
-    newest complete engine environment when the profile's is not installed."""
-    if python:
-        return python
-    words = (resolved.get_str("NATIVE_ENGINE_COMMAND") or "").split()
-    if len(words) >= 2 and words[1] == "-m" and "python" in Path(words[0]).name:
-        return words[0]
+    """--python, else the engine's interpreter (install.engine_interpreter); `any_installed` for
+    training, which needs torch, not a given vLLM."""
+    found = python or engine_interpreter(project, resolved, any_installed=any_installed)
+    if found:
+        return found
     version = engine_version(resolved)
-    candidate = engine_dir(project, version) / "bin" / "python" if version else None
-    if candidate is not None and candidate.is_file():
-        return str(candidate)
-    others = [env.folder / "bin" / "python" for env in list_engines(project)
-              if env.manifest is not None and (env.folder / "bin" / "python").is_file()]
-    if any_installed and others:
-        return str(others[-1])
     raise CalibrationError(f"no engine environment for vLLM {version or '(no version)'} to run in",
                            "install it (invoke install-engine, --platform cpu for the CPU build), name "
                            "the platform whose engine is installed (--platform cpu), or pass --python "

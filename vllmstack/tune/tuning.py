@@ -35,7 +35,7 @@ from vllmstack.core.files import write_json
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner
 from vllmstack.runtime.engine_env import engine_environment
-from vllmstack.runtime.native.install import engine_dir, engine_version
+from vllmstack.runtime.native.install import engine_interpreter, engine_version
 from vllmstack.tune import shapes as sh
 from vllmstack.tune import space as sp
 from vllmstack.tune import verdict as vd
@@ -148,20 +148,14 @@ def _space_for(shape: sh.MoeShape | sh.DenseShape, sizes: list[int],
 
 
 def engine_python(project: Project, resolved: Resolved, python: str | None) -> str:
-    """The Python the engine runs under: --python; NATIVE_ENGINE_COMMAND's interpreter when it is
-    `<python> -m vllm...`; else the install-engine environment's."""
-    if python:
-        return python
-    words = shlex.split(resolved.get_str("NATIVE_ENGINE_COMMAND") or "")
-    if len(words) >= 2 and words[1] == "-m" and "python" in Path(words[0]).name:
-        return words[0]
+    """--python, else the Python the engine runs under (install.engine_interpreter)."""
+    found = python or engine_interpreter(project, resolved)
+    if found:
+        return found
     version = engine_version(resolved)
-    candidate = engine_dir(project, version) / "bin" / "python" if version else None
-    if candidate is None or not candidate.is_file():
-        raise TuneError(f"no engine environment for vLLM {version or '(no version)'} to tune in",
-                        "install it (invoke install-engine), or pass --python with the interpreter "
-                        "that imports the engine's vLLM and torch")
-    return str(candidate)
+    raise TuneError(f"no engine environment for vLLM {version or '(no version)'} to tune in",
+                    "install it (invoke install-engine), or pass --python with the interpreter "
+                    "that imports the engine's vLLM and torch")
 
 
 def tune_command(project: Project, resolved: Resolved, environ: Mapping[str, str], python: str,

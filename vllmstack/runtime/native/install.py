@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import time
 from collections.abc import Mapping
@@ -435,6 +436,26 @@ def list_engines(project: Project) -> list[EngineEnv]:
     root = project.cache / "engines"
     folders = sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
     return [EngineEnv(folder, read_manifest(folder)) for folder in folders]
+
+
+def engine_interpreter(project: Project, resolved: Resolved, *, any_installed: bool = False) -> str | None:
+    """The Python the profile's engine runs under, for work done beside it (tuning, calibration,
+    training): NATIVE_ENGINE_COMMAND's interpreter when it is `<python> -m vllm...`; else the
+    install-engine environment of the profile's version; with `any_installed` (work that needs
+    torch, not a given vLLM), the newest complete environment here. None: none of these."""
+    try:
+        words = shlex.split(resolved.get("NATIVE_ENGINE_COMMAND") or "")
+    except ValueError:
+        words = []  # `invoke check` reports the quoting
+    if len(words) >= 2 and words[1] == "-m" and "python" in Path(words[0]).name:
+        return words[0]
+    version = engine_version(resolved)
+    candidate = engine_dir(project, version) / "bin" / "python" if version else None
+    if candidate is not None and candidate.is_file():
+        return str(candidate)
+    others = [env.folder / "bin" / "python" for env in list_engines(project)
+              if env.manifest is not None and (env.folder / "bin" / "python").is_file()]
+    return str(others[-1]) if any_installed and others else None
 
 
 def render_engines(envs: list[EngineEnv], used: str) -> str:
