@@ -173,3 +173,25 @@ def test_dry_run_prints_the_measurement_and_serves_the_copy_path(project: Projec
     assert not (tmp_path / "models" / "calibrated").exists()
     assert served.get("VLLM_MODEL") == str(tmp_path / "models" / "calibrated" / "m-kv-fp8")
     assert said and "calibrating" in said[0]
+
+
+def test_a_measurement_stopped_midway_leaves_no_work_folder_and_no_copy(
+        project: Project, model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`down` stops a booting `up` with SIGTERM, which may land while the scales are measured."""
+    import tempfile
+
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+
+    def stopped(argv: tuple[str, ...]) -> Result:
+        raise KeyboardInterrupt  # what a signal raises where the runner waits
+
+    runner = RecordingRunner()
+    runner.respond([PYTHON], stopped)
+    resolved = profile(project, model, tmp_path, "VLLM_KV_SCALES=calibrated")
+    with pytest.raises(KeyboardInterrupt):
+        kv.served_model(project, resolved, runner, {"HOME": str(tmp_path)}, runtime="native",
+                        say=lambda _: None)
+    assert list(scratch.iterdir()) == []
+    assert not (tmp_path / "models" / "calibrated" / "m-kv-fp8").exists()

@@ -284,15 +284,15 @@ def ensure_calibrated(project: Project, resolved: Resolved, runner: Runner, envi
             f"{plan.corpus.name} through {plan.source}")
     work = Path(tempfile.mkdtemp(prefix="kv-calibration-")) if not runner.dry_run else Path("<tmp>")
     out, text = work / "amax.json", work / "calibration.txt"
-    if not runner.dry_run:
-        # The last tenth is what --gate scores: scales fitted on it would flatter the gate.
-        text.write_text(split_corpus(plan.corpus.read_text(encoding="utf-8"))[0], encoding="utf-8")
     argv = [interpreter, "-m", "vllmstack.models.kv_calibrate_runner", str(plan.source), str(text),
             str(out), "--tokens", str(plan.tokens)]
-    result = runner.run(argv, env=env, cwd=project.root, timeout=3600)
     if runner.dry_run:
+        runner.run(argv, env=env, cwd=project.root)
         return None
-    try:
+    try:  # the work folder goes however this ends (a SIGTERM from `down` stops `up` here too)
+        # The last tenth is what --gate scores: scales fitted on it would flatter the gate.
+        text.write_text(split_corpus(plan.corpus.read_text(encoding="utf-8"))[0], encoding="utf-8")
+        result = runner.run(argv, env=env, cwd=project.root, timeout=3600)
         if not out.is_file():
             said = (result.stderr or result.stdout).strip()[-600:]
             raise CalibrationError(f"the calibration run wrote nothing (exit {result.returncode}): {said}",
