@@ -171,8 +171,17 @@ def test_dry_run_prints_the_measurement_and_serves_the_copy_path(project: Projec
                              say=said.append)
     assert [c[:3] for c in runner.calls] == [(PYTHON, "-m", "vllmstack.models.kv_calibrate_runner")]
     assert not (tmp_path / "models" / "calibrated").exists()
-    assert served.get("VLLM_MODEL") == str(tmp_path / "models" / "calibrated" / "m-kv-fp8")
-    assert said and "calibrating" in said[0]
+    # No copy to check or serve yet: `up --dry-run` goes on with the source, and says so.
+    assert served is resolved
+    copy = tmp_path / "models" / "calibrated" / "m-kv-fp8"
+    assert "calibrating" in said[0] and f"once measured, {copy} is served" in said[1]
+    # A stale copy that exists: the dry run shows the engine on it (its checks warn it is stale).
+    serve(project, resolved, tmp_path, Measure())
+    (model / "model.safetensors").write_bytes(b"retrained")
+    runner = RecordingRunner(dry_run=True)
+    served = kv.served_model(project, resolved, runner, {"HOME": str(tmp_path)}, runtime="native",
+                             say=said.append)
+    assert served.get("VLLM_MODEL") == str(copy) and len(runner.calls) == 1
 
 
 def test_a_measurement_stopped_midway_leaves_no_work_folder_and_no_copy(

@@ -383,6 +383,10 @@ def served_model(project: Project, resolved: Resolved, runner: Runner, environ: 
     if existing is not None and scale_problems(existing.get("scales") or {}):
         return with_model(resolved, plan.target, why)  # served as it is: `check` refuses it
     done = ensure_calibrated(project, resolved, runner, environ, plan=plan, say=say)
+    if done is None and not plan.target.is_dir():  # a dry run: there is no copy to check yet
+        say(f"(dry run) once measured, {plan.target} is served in place of "
+            f"{resolved.get_str('VLLM_MODEL')}; the checks and the command below are the source's")
+        return resolved
     if done is not None and not done.made:
         say(f"fp8 KV scales: serving the calibrated copy {plan.target} (fresh)")
     return with_model(resolved, plan.target, why)
