@@ -19,9 +19,17 @@ from vllmstack.core.paths import Project
 from vllmstack.core.runner import RecordingRunner, Result
 from vllmstack.models import kv_calibration as gate
 from vllmstack.models import tiny
+from vllmstack.runtime.base import Beside
+from vllmstack.runtime.native.beside import native_beside
 from vllmstack.tune import kv_copy as kv
 
 ENGINE_PYTHON = ROOT / ".cache" / "engines" / "vllm-0.32.0+cpu" / "bin" / "python"
+
+
+def on_host(runner: RecordingRunner) -> Beside:
+    """What calibrate-kv measures with: NATIVE_ENGINE_COMMAND's interpreter, through `runner`."""
+    return native_beside(Project(ROOT), resolve(Project(ROOT), model="tiny", platform="cpu", overrides=[
+        "NATIVE_ENGINE_COMMAND=/opt/py/bin/python3 -m vllm.entrypoints.cli.main"]), {}, runner)
 
 
 def read_scales(path: Path) -> dict[str, float]:
@@ -79,7 +87,8 @@ def test_the_copy_links_the_weights_and_carries_what_vllm_reads(project: Project
     folder = kv.write_calibrated_copy(plan, SCALES, plan.identity(VERSIONS))
     assert folder == tmp_path / "models" / "calibrated" / "m-kv-fp8"
     weights = folder / "model.safetensors"
-    assert weights.is_symlink() and weights.resolve() == (model / "model.safetensors").resolve()
+    # Hard-linked (the same file, visible wherever the copy is mounted), not copied.
+    assert weights.samefile(model / "model.safetensors") and weights.stat().st_nlink == 2
     config = json.loads((folder / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "compressed-tensors"
     assert config["quantization_config"]["kv_cache_scheme"] == kv.KV_SCHEME
@@ -138,16 +147,16 @@ def test_ensure_measures_once_then_keeps_the_fresh_copy(project: Project, model:
 
     runner.respond(["/opt/py/bin/python3", "-m", "vllmstack.models.kv_calibrate_runner"], measure)
     env = {"HOME": str(tmp_path)}
-    made = kv.ensure_calibrated(project, resolved, runner, env, corpus=corpus)
+    made = kv.ensure_calibrated(project, resolved, env, beside=on_host(runner), corpus=corpus)
     assert made is not None and made.made and made.reason == "no calibrated copy yet"
     assert made.sidecar["scales"]["model.layers.0.self_attn"] == {"k_scale": 0.01, "v_scale": 0.001}
-    again = kv.ensure_calibrated(project, resolved, runner, env, corpus=corpus)
+    again = kv.ensure_calibrated(project, resolved, env, beside=on_host(runner), corpus=corpus)
     assert again is not None and not again.made and len(runner.calls) == 1
     zero = RecordingRunner()
     zero.respond(["/opt/py/bin/python3"], lambda argv: (Path(argv[5]).write_text(json.dumps(
         {"layers": {"model.layers.0.self_attn": {"k_amax": 0.0, "v_amax": 1.0}}})), Result(argv, 0))[1])
     with pytest.raises(kv.CalibrationError, match="zero"):
-        kv.ensure_calibrated(project, resolved, zero, env, corpus=corpus, force=True)
+        kv.ensure_calibrated(project, resolved, env, beside=on_host(zero), corpus=corpus, force=True)
     assert kv.read_sidecar(made.folder) is not None  # the good copy survived the refused one
 
 
@@ -202,13 +211,12 @@ def test_the_quality_gate_compares_fp8_with_bf16_and_checks_the_scales_were_used
         assert not ok and lines[-1].startswith("FAIL vLLM used the calibrated scales")
 
 
-def kv_findings(project: Project, model_dir: Path, kv_dtype: str = "fp8",
-                runtime: str | None = None) -> list[Any]:
+def kv_findings(project: Project, model_dir: Path, kv_dtype: str = "fp8") -> list[Any]:
     from vllmstack.checks.registry import run_checks
 
     resolved = resolve(project, model="tiny", platform="cpu",
                        overrides=[f"VLLM_MODEL={model_dir}", f"VLLM_KV_CACHE_DTYPE={kv_dtype}"])
-    findings, _ = run_checks(project, resolved, {"HOME": "/nonexistent"}, runtime=runtime)
+    findings, _ = run_checks(project, resolved, {"HOME": "/nonexistent"})
     return [f for f in findings if f.code.startswith("kv-")]
 
 
@@ -225,11 +233,8 @@ def test_check_refuses_zero_scales_and_a_stale_copy_and_warns_without_scales(pro
     assert found.fix is not None and "invoke calibrate-kv" in found.fix
     kv.write_calibrated_copy(plan, SCALES, plan.identity(VERSIONS))
     os.utime(model / "model.safetensors", ns=(5, 5))  # the source's weights changed
-    # In a container nothing re-measures it: an error. Natively `up` rebuilds it first
-    # (test_kv_served.py): `check` warns that it will, and takes minutes.
-    (found,) = kv_findings(project, folder, runtime="compose")
-    assert (found.severity, found.code) == ("error", "kv-calibration-stale")
-    (found,) = kv_findings(project, folder, runtime="native")
+    # `up` rebuilds it first (test_kv_served.py): `check` warns that it will, and takes minutes.
+    (found,) = kv_findings(project, folder)
     assert (found.severity, found.code) == ("warning", "kv-calibration-stale")
     fresh = plan_for(project, model, tmp_path)  # what calibrate-kv does next: rebuild
     kv.write_calibrated_copy(fresh, SCALES, fresh.identity(VERSIONS))
@@ -262,7 +267,7 @@ def test_the_held_out_tenth_is_neither_trained_nor_calibrated_on(project: Projec
 
     runner = RecordingRunner()
     runner.respond(["/opt/py/bin/python3"], measure)
-    kv.ensure_calibrated(project, resolved, runner, {"HOME": str(tmp_path)}, corpus=corpus)
+    kv.ensure_calibrated(project, resolved, {"HOME": str(tmp_path)}, beside=on_host(runner), corpus=corpus)
     assert measured == [train]
 
 

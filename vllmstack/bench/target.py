@@ -9,9 +9,9 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+from vllmstack.config.modelinfo import profile_hf_cache
 from vllmstack.config.profiles import Resolved, resolve
 from vllmstack.core.errors import StackError
 from vllmstack.core.paths import Project
@@ -142,16 +142,6 @@ def target_from_profile(
         from_profile=url is None,
         hf_cache=profile_hf_cache(resolved),
     )
-
-
-def profile_hf_cache(resolved: Resolved) -> str | None:
-    """HF_CACHE_DIR, else HOST_CACHE_DIR/huggingface (as the engine's mounts use them); None when
-    the profile leaves both to the default, which the usual lookup already covers."""
-    if resolved.get("HF_CACHE_DIR"):
-        return str(Path(resolved.get_str("HF_CACHE_DIR")).expanduser())
-    if resolved.get("HOST_CACHE_DIR"):
-        return str(Path(resolved.get_str("HOST_CACHE_DIR")).expanduser() / "huggingface")
-    return None
 
 
 def target_from_url(

@@ -3,9 +3,8 @@
 With VLLM_KV_CACHE_DTYPE=fp8 and a calibrated copy as VLLM_MODEL (set by hand, or by `up` for
 VLLM_KV_SCALES=calibrated), `up` (which refuses on error findings) will not start on scales that
 are zero or not finite, nor on a copy whose source checkpoint is gone. A copy whose source changed
-is rebuilt by `up` before these rules run (native runtime; in a container it is an error whose fix
-is `invoke calibrate-kv`). A model without any KV scales gets a warning: vLLM then quantizes with
-scale 1.0.
+is rebuilt by `up` before these rules run, so `check` only warns of it. A model without any KV
+scales gets a warning: vLLM then quantizes with scale 1.0.
 
 The copy, its sidecar and the freshness rules are tune/kv_copy.py's.
 """
@@ -58,13 +57,13 @@ def _calibrated_setting(ctx: CheckContext, folder: Path | None) -> list[Finding]
             "the calibrated copy's config.json is what makes vLLM load its KV scales, and "
             "VLLM_HF_CONFIG_PATH replaces it: the scales would not be used",
             f"unset VLLM_HF_CONFIG_PATH, or set {KV_SCALES_KEY}=checkpoint"))
-    if ctx.runtime in CONTAINER_RUNTIMES:
+    if ctx.runtime in CONTAINER_RUNTIMES and not ctx.get("MODELS_DIR"):
         found.append(ctx.finding(
-            "error", "kv-scales-native-only", KV_SCALES_KEY,
-            f"{KV_SCALES_KEY}=calibrated is served by the native runtime only (RUNTIME is "
-            f"{ctx.runtime}): the scales are measured in the engine's Python on this host, and the "
-            "copy links the checkpoint's files by host paths a container does not see",
-            f"RUNTIME=native (invoke install-engine), or {KV_SCALES_KEY}=checkpoint"))
+            "error", "kv-calibration-needs-models-dir", KV_SCALES_KEY,
+            f"{KV_SCALES_KEY}=calibrated on {ctx.runtime} needs MODELS_DIR: the calibrated copy goes "
+            "there, the one host folder the engine container sees at its own path",
+            "set MODELS_DIR in .env (a folder for local model copies, on the file system of the HF "
+            "cache so that the copy can hard-link the checkpoint's files)"))
     if folder is not None and read_sidecar(folder) is None:
         try:
             target = plan_calibration(ctx.project, ctx.resolved, ctx.environ).target
@@ -109,8 +108,6 @@ def rule_kv_scales(ctx: CheckContext) -> list[Finding]:
         return found
     changed = (f"{original} changed since {folder} was calibrated ({sidecar.get('source_revision')} "
                f"-> {now}): its scales describe other weights")
-    if ctx.runtime in CONTAINER_RUNTIMES:  # `up` measures on the host's engine only
-        return [*found, Finding("error", "kv-calibration-stale", changed, key, source, fix)]
     # A warning, not an error: `up` repairs it, but costs minutes there the user should expect.
     return [*found, Finding("warning", "kv-calibration-stale", changed + "; `up` measures them again "
                             "and rebuilds the copy before the engine starts", key, source, None)]

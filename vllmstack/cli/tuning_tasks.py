@@ -104,12 +104,14 @@ def calibrate_kv(c: Context, model: Opt = None, platform: Opt = None, set: Sets 
     from pathlib import Path
 
     from vllmstack.models import kv_calibration as kv
+    from vllmstack.runtime.native.beside import native_beside
     from vllmstack.tune.kv_copy import ensure_calibrated
 
     resolved, project = resolve_here(model, platform, set), project_here()
     text = Path(corpus).expanduser() if corpus else None
-    done = ensure_calibrated(project, resolved, make_runner(dry_run), os.environ, corpus=text,
-                             python=python, force=force, tokens=tokens)
+    where = native_beside(project, resolved, os.environ, make_runner(dry_run), python)
+    done = ensure_calibrated(project, resolved, os.environ, beside=where, corpus=text, force=force,
+                             tokens=tokens)
     if done is None:
         return
     print_json(done.as_json()) if json else print(kv.render_calibration(done))

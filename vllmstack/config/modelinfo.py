@@ -79,6 +79,16 @@ def hf_hub_dir(environ: Mapping[str, str], hf_cache_setting: str | None = None) 
     return home_dir(environ) / ".cache" / "huggingface" / "hub"
 
 
+def profile_hf_cache(resolved: Resolved) -> str | None:
+    """HF_CACHE_DIR, else HOST_CACHE_DIR/huggingface (as the engine's mounts use them); None when
+    the profile leaves both to the default, which the usual lookup already covers."""
+    if resolved.get("HF_CACHE_DIR"):
+        return str(Path(resolved.get_str("HF_CACHE_DIR")).expanduser())
+    if resolved.get("HOST_CACHE_DIR"):
+        return str(Path(resolved.get_str("HOST_CACHE_DIR")).expanduser() / "huggingface")
+    return None
+
+
 def is_local_path(name: str) -> bool:
     return name.startswith(("/", "./", "../", "~"))
 
@@ -176,7 +186,7 @@ def load_model_facts(resolved: Resolved, environ: Mapping[str, str]) -> ModelFac
         facts.sources[attr] = f"{key} @ {resolved.source(key)}"
 
     name = resolved.get_str("VLLM_MODEL")
-    hf_cache = resolved.get_str("HF_CACHE_DIR")
+    hf_cache = profile_hf_cache(resolved)
     model_dir = locate_model_dir(name, environ, hf_cache)
     if model_dir is None and resolved.get_str("VLLM_MODEL_ID"):
         model_dir = locate_model_dir(resolved.get_str("VLLM_MODEL_ID"), environ, hf_cache)

@@ -14,7 +14,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from vllmstack.bench.target import profile_hf_cache
 from vllmstack.bench.workload.prompts import TokenizerError, load_tokenizer, resolve_tokenizer
 from vllmstack.checks.chat_render import ChatTemplate, TemplateError
 from vllmstack.checks.template import (
@@ -29,6 +28,7 @@ from vllmstack.checks.template import (
     read_template,
     shipped_names,
 )
+from vllmstack.config.modelinfo import profile_hf_cache
 from vllmstack.config.profiles import Resolved
 from vllmstack.core.paths import Project
 

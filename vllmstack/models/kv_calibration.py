@@ -15,18 +15,16 @@ from pathlib import Path
 from typing import Any
 
 from vllmstack.config.profiles import Resolved
-from vllmstack.config.schema import load_schema
 from vllmstack.core.corpus import split_corpus
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner
-from vllmstack.runtime.engine_env import engine_environment
+from vllmstack.runtime.native.beside import runner_environment
 from vllmstack.runtime.native.install import engine_version
 from vllmstack.tune.kv_copy import (
     DEFAULT_CORPUS,
     Calibration,
     CalibrationError,
     engine_python,
-    runner_path,
 )
 
 
@@ -136,8 +134,7 @@ def run_quality_gate(project: Project, resolved: Resolved, runner: Runner, envir
     copy is fp8 as well, and the two runs agreed to the last digit."""
     check_fp8_kv_engine(engine_version(resolved), cpu_flags() if flags is None else flags)
     interpreter = engine_python(project, resolved, python)
-    env = {**environ, "PYTHONNOUSERSITE": "1", **engine_environment(resolved, load_schema()),
-           "PYTHONPATH": runner_path(environ)}
+    env = runner_environment(resolved, environ)
     work = Path(tempfile.mkdtemp(prefix="kv-quality-"))
     try:
         heldout = heldout_text(corpus or DEFAULT_CORPUS, work)

@@ -17,13 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from vllmstack.config.profiles import Resolved
-from vllmstack.config.schema import load_schema
 from vllmstack.core.errors import StackError
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner
 from vllmstack.models import tiny
-from vllmstack.runtime.engine_env import engine_environment, stack_paths
-from vllmstack.tune.kv_copy import DEFAULT_CORPUS, engine_python, runner_path
+from vllmstack.runtime.engine_env import stack_paths
+from vllmstack.runtime.native.beside import runner_environment
+from vllmstack.tune.kv_copy import DEFAULT_CORPUS, engine_python
 
 TRAINED_SUFFIX = "-trained"
 # Held-out perplexity below half the vocabulary (random guessing scores all of it). The bundled
@@ -75,8 +75,7 @@ def make_trained(project: Project, resolved: Resolved, runner: Runner, environ: 
     if geometry is None:
         raise TrainingError(f"unknown model preset {preset!r}", f"use one of: {', '.join(tiny.PRESETS)}")
     interpreter = engine_python(project, resolved, python, any_installed=True)
-    env = {**environ, "PYTHONNOUSERSITE": "1", **engine_environment(resolved, load_schema()),
-           "PYTHONPATH": runner_path(environ)}
+    env = runner_environment(resolved, environ)
     if runner.dry_run:
         runner.run(train_argv(interpreter, Path("<new model>"), DEFAULT_CORPUS, Path("<result.json>"),
                               max_minutes=max_minutes, max_steps=max_steps), env=env, cwd=project.root)

@@ -8,11 +8,13 @@ this Protocol and is chosen in vllmstack.runtime.select.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 from vllmstack.config.vllm_args import ServeCommand
+from vllmstack.core.runner import Result
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,22 @@ class EngineState:
 MISSING = EngineState(exists=False, running=False, status="missing")
 
 
+@dataclass(frozen=True)
+class Beside:
+    """Where a Python module of this package runs with the engine's own torch and transformers,
+    for work done before the engine starts (the fp8 KV calibration): the engine's interpreter on
+    the host (native), or a one-off container of the engine service, with its devices, user,
+    caches and mounts (compose). `vllmstack` is importable there either way."""
+
+    # What a result measured there depends on: the engine version, and the interpreter or image.
+    identity: dict[str, str]
+    dry_run: bool
+    # A host path as the process sees it; None: it cannot see it.
+    see: Callable[[Path], str | None]
+    # `python ARGS`, with these host folders writable at the same path, under a timeout in seconds.
+    run: Callable[[Sequence[str], Sequence[Path], float], Result]
+
+
 class EngineRuntime(Protocol):
     name: str  # "compose" | "native": what `invoke status` reports
 
@@ -40,6 +58,11 @@ class EngineRuntime(Protocol):
 
     def prepare(self, command: ServeCommand, *, dry_run: bool) -> list[str]:
         """Everything before start (images, folders, rendered files); returns notes for the user."""
+        ...
+
+    def beside(self, command: ServeCommand) -> Beside:
+        """Where a module runs beside the engine (see Beside); `command`: the profile's engine
+        command, which a container runtime renders its files for before running anything."""
         ...
 
     def start(self) -> None:

@@ -28,8 +28,14 @@ from vllmstack.core.paths import Project, results_folder
 from vllmstack.core.runner import Result, Runner
 from vllmstack.image import build
 from vllmstack.runtime import compose_files, dashboard_image, engine_env, flavours
-from vllmstack.runtime.base import MISSING, EngineState
-from vllmstack.runtime.compose_files import DASHBOARD_SERVICE, ENGINE_SERVICE, PACKAGE_LABEL
+from vllmstack.runtime.base import MISSING, Beside, EngineState
+from vllmstack.runtime.compose_files import (
+    DASHBOARD_SERVICE,
+    ENGINE_SERVICE,
+    PACKAGE_LABEL,
+    PACKAGE_MOUNT,
+    container_path,
+)
 from vllmstack.runtime.engine_image import llamacpp_image_problem, missing_image_fix
 
 # Builds AITER's JIT core and the unified-attention kernels once, in a throwaway container, so
@@ -323,6 +329,33 @@ class ComposeEngine:
         if resolved.get_bool("VLLM_ROCM_USE_AITER"):
             self.prewarm_aiter(paths, image, dry_run=dry_run)
         return notes
+
+    def beside(self, command: ServeCommand) -> Beside:
+        """A one-off container of the engine service (`compose run --rm --no-deps`): the profile's
+        image, devices, user, caches and MODELS_DIR, with this package mounted read-only and
+        importable; the files are rendered for `command` before the first run."""
+        _, resolved = self._stack()
+        image = engine_image(resolved)
+        paths = engine_env.stack_paths(resolved, self.environ)
+        rendered: list[bool] = []
+        package = Path(__file__).resolve().parents[1]
+
+        def run(args: Sequence[str], writable: Sequence[Path], timeout: float) -> Result:
+            if not rendered:
+                self.prepare(command, dry_run=self.runner.dry_run)
+                rendered.append(True)
+            mounts = [f"{package}:{PACKAGE_MOUNT}/vllmstack:ro", *(f"{p}:{p}" for p in writable)]
+            flags = [*(word for mount in mounts for word in ("-v", mount)),
+                     "-e", f"PYTHONPATH={PACKAGE_MOUNT}", "-e", "PYTHONNOUSERSITE=1"]
+            engine_flags = []
+            if self.cli.traits.run_flags_through_engine:
+                engine_flags, flags = [f"--podman-run-args={shlex.join(flags)}"], []
+            return self._run_compose(*self._run_args(ENGINE_SERVICE), *engine_flags, "run", "--rm",
+                                     "--no-deps", "-T", *flags, "--entrypoint", "python3",
+                                     ENGINE_SERVICE, *args, timeout=timeout)
+
+        identity = {"image": image, "image_id": self.image_id(image) or "(unknown)"}
+        return Beside(identity, self.runner.dry_run, lambda path: container_path(path, paths), run)
 
     def prewarm_aiter(self, paths: engine_env.StackPaths, image: str, *, dry_run: bool) -> None:
         """Once per image: clear stale AITER build locks, then build the JIT kernels."""

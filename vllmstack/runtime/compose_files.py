@@ -32,6 +32,31 @@ DASHBOARD_SERVICE = "dashboard"
 PACKAGE_LABEL = "vllmstack.vllm-package"
 
 
+# Where compose.yaml mounts the host's caches in the engine container; MODELS_DIR is mounted at
+# its own path (build_override).
+HF_CACHE_MOUNT = "/cache/huggingface"
+ENGINE_CACHE_MOUNT = "/cache/engine"
+# Where `beside` mounts this package (read-only) for modules run in the engine container.
+PACKAGE_MOUNT = "/opt/vllmstack-src"
+
+
+def container_path(path: Path, paths: StackPaths) -> str | None:
+    """`path` (a host path) as the engine container sees it; None where nothing mounts it."""
+    resolved = Path(path).resolve()
+    for host, inside in ((paths.hf_cache, HF_CACHE_MOUNT), (paths.engine_cache, ENGINE_CACHE_MOUNT),
+                         (paths.models_dir, None)):
+        if host is None:
+            continue
+        root = Path(host).expanduser().resolve()
+        if resolved != root and root not in resolved.parents:
+            continue
+        if inside is None:
+            return str(resolved)
+        rel = resolved.relative_to(root)
+        return inside if rel == Path() else f"{inside}/{rel}"
+    return None
+
+
 def _escape(value: str) -> str:
     """Compose interpolates $ in every string of a compose file; the rendered values are literal."""
     return value.replace("$", "$$")

@@ -84,6 +84,10 @@ class Flavour:
     builder: Literal["buildkit", "podman"] = "buildkit"
     # Compose leaves its default network behind after `down` (podman-compose < 1.0.6).
     leaves_network: str | None = None
+    # `compose run` drops its -v volumes ("TODO: handle volumes") and cuts -e values at every
+    # '=' (podman-compose 1.0.3): a one-off container's mounts and variables go onto `podman
+    # run` through --podman-run-args instead.
+    run_flags_through_engine: bool = False
 
 
 COMPOSE_V2 = Flavour("compose", container_name="{project}-{service}-1")
@@ -97,7 +101,8 @@ PODMAN = Flavour(
 PODMAN_LEGACY = replace(
     PODMAN, env_file_flag=False, profile_flag=False, down_remove_orphans=False,
     exit_status_reliable=False, exec_through_engine=True, has_rm=False,
-    run_args_for=("ipc", "group_add", "userns_mode"), leaves_network="{project}_default")
+    run_args_for=("ipc", "group_add", "userns_mode"), leaves_network="{project}_default",
+    run_flags_through_engine=True)
 
 FLAVOURS = {f.name: f for f in (COMPOSE_V2, COMPOSE_V1, PODMAN)}
 

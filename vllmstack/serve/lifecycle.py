@@ -28,6 +28,7 @@ from vllmstack.core.runner import Runner
 from vllmstack.observe import metrics
 from vllmstack.observe.health import health_status, identify_server
 from vllmstack.runtime import engine_env
+from vllmstack.runtime.base import Beside
 from vllmstack.runtime.gpu import GIB, total_used
 from vllmstack.serve.engines import (
     answering_others,
@@ -134,11 +135,19 @@ def _serving(stack: Stack) -> Stack:
     """The stack of what `up` really serves: with an fp8 KV cache and calibrated scales
     (VLLM_KV_SCALES=calibrated, or VLLM_MODEL a calibrated copy), the copy, made or rebuilt first
     when it is missing or stale ("ensure": tune.kv_copy.served_model)."""
-    served = served_model(stack.project, stack.resolved, stack.runner, stack.environ,
-                          runtime=stack.engine.name, say=lambda line: print(line, file=stack.out))
+    def beside() -> Beside:
+        # A container runtime renders its files for the engine command before it runs anything:
+        # the source's, checked as `up` checks (an error stops here, before minutes of measuring).
+        command, _ = preflight(stack.project, stack.resolved, stack.environ, stack.engine.name,
+                               runner=stack.runner)
+        return stack.engine.beside(command)
+
+    served = served_model(stack.project, stack.resolved, stack.environ, beside=beside,
+                          say=lambda line: print(line, file=stack.out))
     if served is stack.resolved:
         return stack
-    return open_stack(stack.project, served, stack.environ, stack.runner, runtime=stack.engine.name,
+    # The concrete runtime (podman, compose-v1...), not its kind ("compose"): the same one again.
+    return open_stack(stack.project, served, stack.environ, stack.runner, runtime=stack.engine.flavour,
                       probe=stack.probe, out=stack.out, slot=stack.slot, siblings=stack.siblings)
 
 

@@ -37,14 +37,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllmstack.config.modelinfo import locate_model_dir
+from vllmstack.config.modelinfo import locate_model_dir, profile_hf_cache
 from vllmstack.config.profiles import Resolved, Setting
-from vllmstack.config.schema import load_schema
 from vllmstack.core.corpus import split_corpus
 from vllmstack.core.errors import StackError
 from vllmstack.core.paths import Project
-from vllmstack.core.runner import Runner
-from vllmstack.runtime.engine_env import engine_environment, stack_paths
+from vllmstack.runtime.base import Beside
+from vllmstack.runtime.engine_env import stack_paths
 from vllmstack.runtime.native.install import engine_interpreter, engine_version
 
 SIDECAR = "vllmstack-kv-calibration.json"
@@ -54,7 +53,6 @@ SCALES_FILE = "kv_scales.safetensors"
 FORMAT_VERSION = 2  # 2: the corpus's held-out tenth is no longer measured
 KV_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
 DEFAULT_CORPUS = Path(__file__).resolve().parents[1] / "bench" / "workload" / "corpus" / "essays.txt"
-PACKAGE_PARENT = Path(__file__).resolve().parents[2]
 
 
 def source_revision(folder: Path) -> str:
@@ -125,7 +123,7 @@ def file_sha256(path: Path) -> str:
 def plan_calibration(project: Project, resolved: Resolved, environ: Mapping[str, str], *,
                      corpus: Path | None = None, tokens: int = 32768) -> CalibrationPlan:
     name = resolved.get_str("VLLM_MODEL")
-    source = locate_model_dir(name, environ, resolved.get_str("HF_CACHE_DIR") or None)
+    source = locate_model_dir(name, environ, profile_hf_cache(resolved))
     if source is None:
         raise CalibrationError(f"the model {name or '(VLLM_MODEL unset)'} is not on this machine",
                                "download it first (huggingface-cli download), or point VLLM_MODEL "
@@ -194,6 +192,27 @@ def calibrated_config(config: dict[str, Any]) -> dict[str, Any]:
         "kv_cache_scheme": KV_SCHEME}}
 
 
+def link_file(source: Path, link: Path) -> None:
+    """A hard link where the file system allows one: it is the same file wherever the copy is
+    mounted (a container sees the copy under MODELS_DIR, but the HF cache at another path, so a
+    symbolic link to a snapshot's blob resolves on the host only). Else (another file system,
+    or a folder) a symbolic link, for the host."""
+    try:
+        if source.is_file():
+            os.link(source, link)
+            return
+    except OSError:
+        pass
+    os.symlink(source, link)
+
+
+def unseen_links(folder: Path, see: Callable[[Path], str | None]) -> list[str]:
+    """The files of a copy whose symbolic links a process with this view of the host cannot
+    follow (the engine container's: beside.see)."""
+    return [path.name for path in sorted(folder.iterdir())
+            if path.is_symlink() and see(path.resolve()) != str(path.resolve())]
+
+
 def write_calibrated_copy(plan: CalibrationPlan, scales: Mapping[str, Mapping[str, float]],
                           sidecar: Mapping[str, Any]) -> Path:
     """Links to the source's files, the scales, config.json (and the weight index) rewritten;
@@ -210,7 +229,7 @@ def write_calibrated_copy(plan: CalibrationPlan, scales: Mapping[str, Mapping[st
         for path in sorted(plan.source.iterdir()):
             if path.name in ("config.json", SIDECAR, SCALES_FILE) or path.name.endswith(".index.json"):
                 continue
-            os.symlink(path.resolve(), staging / path.name)
+            link_file(path.resolve(), staging / path.name)
         config = json.loads((plan.source / "config.json").read_text())
         (staging / "config.json").write_text(json.dumps(calibrated_config(config), indent=1) + "\n")
         (staging / SCALES_FILE).write_bytes(f32_safetensors(tensors))
@@ -228,13 +247,6 @@ def write_calibrated_copy(plan: CalibrationPlan, scales: Mapping[str, Mapping[st
         if staging.exists():
             shutil.rmtree(staging)
     return plan.target
-
-
-def runner_path(environ: Mapping[str, str]) -> str:
-    """PYTHONPATH for `python -m vllmstack.models.*_runner` in the engine's Python: the folder
-    that holds this package, which is not the project's root when the stack runs from another
-    checkout or an installed package (the runner then was "No module named 'vllmstack'")."""
-    return os.pathsep.join(p for p in (str(PACKAGE_PARENT), environ.get("PYTHONPATH", "")) if p)
 
 
 def engine_python(project: Project, resolved: Resolved, python: str | None, *,
@@ -263,36 +275,39 @@ class Calibration:
                 "scales": self.sidecar.get("scales"), "tokens": self.sidecar.get("measured_tokens")}
 
 
-def ensure_calibrated(project: Project, resolved: Resolved, runner: Runner, environ: Mapping[str, str],
-                      *, corpus: Path | None = None, python: str | None = None, force: bool = False,
+def ensure_calibrated(project: Project, resolved: Resolved, environ: Mapping[str, str], *,
+                      beside: Beside, corpus: Path | None = None, force: bool = False,
                       tokens: int = 32768, plan: CalibrationPlan | None = None,
                       say: Callable[[str], None] | None = None) -> Calibration | None:
     """The calibrated copy for the profile's model (or `plan`'s): kept when its sidecar is fresh,
-    else measured and rebuilt. None in --dry-run (the command was printed). `say` hears why a
-    measurement starts (`up` prints it: the engine waits minutes for it)."""
+    else measured and rebuilt. `beside`: where the measurement runs (runtime.base; calibrate-kv:
+    the engine's interpreter on the host). None in a dry run (the command was printed). `say`
+    hears why a measurement starts (`up` prints it: the engine waits minutes for it)."""
     plan = plan or plan_calibration(project, resolved, environ, corpus=corpus, tokens=tokens)
-    interpreter = engine_python(project, resolved, python)
-    env = {**environ, "PYTHONNOUSERSITE": "1", **engine_environment(resolved, load_schema()),
-           "PYTHONPATH": runner_path(environ)}
-    # The engine's version pins its torch and transformers: a new engine re-measures.
-    versions = {"engine": engine_version(resolved) or "(unset)", "python": interpreter}
-    reason = "forced" if force else staleness(plan, versions)
+    # The engine's version (or image) pins its torch and transformers: a new engine re-measures.
+    reason = "forced" if force else staleness(plan, beside.identity)
     if reason is None:
         return Calibration(plan.target, False, "fresh", read_sidecar(plan.target) or {})
+    source = beside.see(plan.source)
+    if source is None:
+        raise CalibrationError(f"the engine container does not see {plan.source}, the checkpoint to "
+                               "measure (it mounts the HF cache and MODELS_DIR only)",
+                               "put the model under MODELS_DIR, or use its Hugging Face id")
     if say is not None:
         say(f"fp8 KV scales: calibrating {plan.target} ({reason}): {plan.tokens} tokens of "
             f"{plan.corpus.name} through {plan.source}")
-    work = Path(tempfile.mkdtemp(prefix="kv-calibration-")) if not runner.dry_run else Path("<tmp>")
+    # Mounted at its own path where the measurement runs in a container.
+    work = Path(tempfile.mkdtemp(prefix="kv-calibration-")) if not beside.dry_run else Path("<tmp>")
     out, text = work / "amax.json", work / "calibration.txt"
-    argv = [interpreter, "-m", "vllmstack.models.kv_calibrate_runner", str(plan.source), str(text),
-            str(out), "--tokens", str(plan.tokens)]
-    if runner.dry_run:
-        runner.run(argv, env=env, cwd=project.root)
+    argv = ["-m", "vllmstack.models.kv_calibrate_runner", source, str(text), str(out),
+            "--tokens", str(plan.tokens)]
+    if beside.dry_run:
+        beside.run(argv, [work], 3600)
         return None
     try:  # the work folder goes however this ends (a SIGTERM from `down` stops `up` here too)
         # The last tenth is what --gate scores: scales fitted on it would flatter the gate.
         text.write_text(split_corpus(plan.corpus.read_text(encoding="utf-8"))[0], encoding="utf-8")
-        result = runner.run(argv, env=env, cwd=project.root, timeout=3600)
+        result = beside.run(argv, [work], 3600)
         if not out.is_file():
             said = (result.stderr or result.stdout).strip()[-600:]
             raise CalibrationError(f"the calibration run wrote nothing (exit {result.returncode}): {said}",
@@ -301,7 +316,7 @@ def ensure_calibrated(project: Project, resolved: Resolved, runner: Runner, envi
     finally:
         shutil.rmtree(work, ignore_errors=True)
     scales = scales_from_amax(measured.get("layers") or {})
-    sidecar = {**plan.identity(versions), "corpus": str(plan.corpus),
+    sidecar = {**plan.identity(beside.identity), "corpus": str(plan.corpus),
                "measured_tokens": measured.get("tokens"), "tool_versions": measured.get("versions"),
                "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "reason": reason}
     folder = write_calibrated_copy(plan, scales, sidecar)
@@ -341,8 +356,24 @@ def with_model(resolved: Resolved, folder: Path, why: str) -> Resolved:
                                history=history)
 
 
-def served_model(project: Project, resolved: Resolved, runner: Runner, environ: Mapping[str, str],
-                 *, runtime: str, say: Callable[[str], None]) -> Resolved:
+def check_visible(folder: Path, beside: Beside) -> None:
+    """The engine must see the copy and follow its links where it runs (a container: under
+    MODELS_DIR, with hard links to the checkpoint's files)."""
+    if beside.see(folder) is None:
+        raise CalibrationError(f"the engine container does not see {folder}, where the calibrated "
+                               "copy goes (it mounts MODELS_DIR and the caches only)",
+                               "set MODELS_DIR in .env (a folder for local model copies)")
+    unseen = unseen_links(folder, beside.see) if folder.is_dir() else []
+    if unseen:
+        raise CalibrationError(
+            f"the engine container cannot follow the links of {folder} ({', '.join(unseen[:3])}): "
+            "they point at the checkpoint by its host path, since a hard link to it was not possible "
+            "(another file system)", "put MODELS_DIR on the file system of the HF cache (then "
+            "`invoke calibrate-kv --force`), or serve with RUNTIME=native")
+
+
+def served_model(project: Project, resolved: Resolved, environ: Mapping[str, str], *,
+                 beside: Callable[[], Beside], say: Callable[[str], None]) -> Resolved:
     """The profile `up` serves. With an fp8 KV cache:
 
     * VLLM_MODEL is a calibrated copy: a stale one (its source snapshot, corpus, engine or format
@@ -351,29 +382,22 @@ def served_model(project: Project, resolved: Resolved, runner: Runner, environ: 
     * VLLM_KV_SCALES=calibrated: the copy of VLLM_MODEL is made when missing, rebuilt when stale,
       and served instead of VLLM_MODEL.
 
-    Anything else is served as it is."""
+    `beside` is asked only then: where the engine runs, the measurement runs (runtime.base)."""
     if not is_fp8_kv(resolved):
         return resolved
     folder = locate_model_dir(resolved.get_str("VLLM_MODEL"), environ,
-                              resolved.get_str("HF_CACHE_DIR") or None)
+                              profile_hf_cache(resolved))
     sidecar = read_sidecar(folder) if folder is not None else None
-    calibrated = resolved.get_str(KV_SCALES_KEY) == "calibrated"
-    if sidecar is None and not calibrated:
+    if sidecar is None and resolved.get_str(KV_SCALES_KEY) != "calibrated":
         return resolved
-    if runtime != "native":
-        if sidecar is not None:
-            return resolved  # `check` judges the copy; nothing is measured in a container yet
-        raise CalibrationError(
-            f"{KV_SCALES_KEY}=calibrated is served by the native runtime only: the scales are measured "
-            "in the engine's Python on this host, and the calibrated copy links the checkpoint's files "
-            "by their host paths, which a container does not see",
-            f"serve with RUNTIME=native (invoke install-engine), or set {KV_SCALES_KEY}=checkpoint")
     if sidecar is not None:
         assert folder is not None
         plan = plan_from_copy(folder, sidecar)
         if plan is None or scale_problems(sidecar.get("scales") or {}):
             return resolved  # a source that is gone, or a zero scale: `check` refuses and says why
-        done = ensure_calibrated(project, resolved, runner, environ, plan=plan, say=say)
+        where = beside()
+        check_visible(folder, where)
+        done = _ensure(project, resolved, environ, plan, where, say)
         if done is not None and not done.made:
             say(f"fp8 KV scales: {folder} is fresh")
         return resolved
@@ -382,7 +406,9 @@ def served_model(project: Project, resolved: Resolved, runner: Runner, environ: 
     existing = read_sidecar(plan.target)
     if existing is not None and scale_problems(existing.get("scales") or {}):
         return with_model(resolved, plan.target, why)  # served as it is: `check` refuses it
-    done = ensure_calibrated(project, resolved, runner, environ, plan=plan, say=say)
+    where = beside()
+    check_visible(plan.target, where)
+    done = _ensure(project, resolved, environ, plan, where, say)
     if done is None and not plan.target.is_dir():  # a dry run: there is no copy to check yet
         say(f"(dry run) once measured, {plan.target} is served in place of "
             f"{resolved.get_str('VLLM_MODEL')}; the checks and the command below are the source's")
@@ -390,3 +416,13 @@ def served_model(project: Project, resolved: Resolved, runner: Runner, environ: 
     if done is not None and not done.made:
         say(f"fp8 KV scales: serving the calibrated copy {plan.target} (fresh)")
     return with_model(resolved, plan.target, why)
+
+
+def _ensure(project: Project, resolved: Resolved, environ: Mapping[str, str], plan: CalibrationPlan,
+            where: Beside, say: Callable[[str], None]) -> Calibration | None:
+    """ensure_calibrated where the engine runs; a copy just written is checked again (its links
+    are hard only where the file system allowed)."""
+    done = ensure_calibrated(project, resolved, environ, beside=where, plan=plan, say=say)
+    if done is not None and done.made:
+        check_visible(plan.target, where)
+    return done

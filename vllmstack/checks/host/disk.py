@@ -32,7 +32,7 @@ from typing import Any
 from vllmstack.checks.host.model import FAIL, PASS, SKIP, WARN, HostCheck, HostView
 from vllmstack.checks.host.tools import RuntimeChoice
 from vllmstack.config.engine import LLAMACPP, engine_image, engine_of
-from vllmstack.config.modelinfo import is_local_path, locate_model_dir
+from vllmstack.config.modelinfo import is_local_path, locate_model_dir, profile_hf_cache
 from vllmstack.config.profiles import Resolved
 from vllmstack.runtime.engine_env import stack_paths
 from vllmstack.runtime.gpu import GIB
@@ -77,7 +77,7 @@ def _weights_to_fetch(resolved: Resolved, environ: Mapping[str, str]) -> float |
     """GiB still to download for the profile's model: 0 when it is local or cached."""
     model = resolved.get_str("VLLM_MODEL")
     if is_local_path(model) or locate_model_dir(model, environ,
-                                                resolved.get_str("HF_CACHE_DIR")) is not None:
+                                                profile_hf_cache(resolved)) is not None:
         return 0.0
     try:
         return float(resolved.get_raw("MODEL_WEIGHT_GIB")) if resolved.get_raw(

@@ -51,7 +51,8 @@ from vllmstack.core.files import (
 )
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner
-from vllmstack.runtime.base import MISSING, EngineState
+from vllmstack.runtime.base import MISSING, Beside, EngineState
+from vllmstack.runtime.native.beside import native_beside
 from vllmstack.runtime.native.command import (
     IPC_DIR,
     NativeCommand,
@@ -156,6 +157,11 @@ class NativeEngine:
     def prepare(self, command: ServeCommand, *, dry_run: bool) -> list[str]:
         # A host process needs no image or rendered files; `start` makes its folders.
         return []
+
+    def beside(self, command: ServeCommand) -> Beside:
+        if self.resolved is None:
+            raise NativeError("no profile was resolved, so there is no engine to run beside")
+        return native_beside(self.project, self.resolved, self.environ, self.runner)
 
     def start(self) -> None:
         """Launch the engine through the keeper; returns once it runs (not once it is healthy)."""
