@@ -365,9 +365,17 @@ def test_bench_vs_real_vllm_against_llamacpp_on_identical_weights(
     assert (vllm_row["engine"], llama_row["engine"]) == ("vllm", "llamacpp")
     assert vllm_row["status"] == "ok" and llama_row["status"] in ("ok", "partial"), llama_row
     assert vllm_row["pair_kind"] == llama_row["pair_kind"] == "identical weights"
+    assert vllm_row["single"]["tg_tps"]["mean"] > 0 and vllm_row["ctx"]["tg_tps"]["mean"] > 0
+    # llama-server's chat-output parser can refuse what the random-weight model says (a 500),
+    # and its threaded CPU sums make greedy output differ from run to run: CI once saw all three
+    # single-stream requests refused while the others answered. A partial row still measures.
+    measured = [llama_row[shape]["tg_tps"]["mean"] for shape in ("single", "ctx")
+                if (llama_row[shape] or {}).get("tg_tps")]
+    assert measured and min(measured) > 0, (llama_row["diagnosis"], llama_row["failures"])
     for row in (vllm_row, llama_row):
-        assert row["single"]["tg_tps"]["mean"] > 0 and row["conc"]["total_tg_tps"] > 0
-    assert llama_row["timings"]["single"]["predicted_per_second"] > 0  # llama.cpp's own, beside
+        assert row["conc"]["total_tg_tps"] > 0, (row["diagnosis"], row["failures"])
+    timings = llama_row["timings"]["single"] or llama_row["timings"]["ctx"]
+    assert timings["predicted_per_second"] > 0  # llama.cpp's own, beside
     assert not stack.answers()  # both taken down again
 
 
