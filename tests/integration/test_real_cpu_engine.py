@@ -342,6 +342,18 @@ def test_real_boot_failures_are_diagnosed(stack: Stack, setting: str, cause: str
 # --- llama.cpp and the router with the real engine (issues 13, 14 and 16) -----------------------
 
 
+def decode_rate(row: dict[str, Any], shape: str) -> bool:
+    """The shape's requests decoded, and bench-vs measured it or said why it could not: on 2
+    cores vLLM's API server, starved by the engine's busy-waiting processes, can release a stream
+    in one burst (CI once saw all three single-stream requests so), which has no decode rate;
+    bench leaves those out and warns rather than report 100,000s of t/s."""
+    measured = (row[shape] or {}).get("tg_tps")
+    if measured:
+        return bool(measured["mean"] > 0)
+    tokens = ((row[shape] or {}).get("completion_tokens") or {}).get("mean")
+    return tokens == row["tg"] and any("in one burst" in w for w in row["warnings"])
+
+
 def test_bench_vs_real_vllm_against_llamacpp_on_identical_weights(
         stack: Stack, llamacpp_cpu_server: Path) -> None:
     """`invoke gguf-convert` of the made model, then `invoke bench-vs` of the real CPU vLLM
@@ -365,15 +377,13 @@ def test_bench_vs_real_vllm_against_llamacpp_on_identical_weights(
     assert (vllm_row["engine"], llama_row["engine"]) == ("vllm", "llamacpp")
     assert vllm_row["status"] == "ok" and llama_row["status"] in ("ok", "partial"), llama_row
     assert vllm_row["pair_kind"] == llama_row["pair_kind"] == "identical weights"
-    assert vllm_row["single"]["tg_tps"]["mean"] > 0 and vllm_row["ctx"]["tg_tps"]["mean"] > 0
-    # llama-server's chat-output parser can refuse what the random-weight model says (a 500),
-    # and its threaded CPU sums make greedy output differ from run to run: CI once saw all three
-    # single-stream requests refused while the others answered. A partial row still measures.
-    measured = [llama_row[shape]["tg_tps"]["mean"] for shape in ("single", "ctx")
-                if (llama_row[shape] or {}).get("tg_tps")]
-    assert measured and min(measured) > 0, (llama_row["diagnosis"], llama_row["failures"])
     for row in (vllm_row, llama_row):
-        assert row["conc"]["total_tg_tps"] > 0, (row["diagnosis"], row["failures"])
+        rates = [decode_rate(row, shape) for shape in ("single", "ctx")]
+        why = (row["diagnosis"], row["failures"], row["warnings"])
+        # llama-server's chat-output parser may refuse some of what the random-weight model says
+        # (a partial row); vLLM's row has every request answered.
+        assert (all(rates) if row is vllm_row else any(rates)), why
+        assert row["conc"]["total_tg_tps"] > 0, why
     timings = llama_row["timings"]["single"] or llama_row["timings"]["ctx"]
     assert timings["predicted_per_second"] > 0  # llama.cpp's own, beside
     assert not stack.answers()  # both taken down again
