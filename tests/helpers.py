@@ -142,3 +142,13 @@ def simulator_project(dest: Path, profiles: Mapping[str, str], *, port: int,
     write_dotenv(root, {"PLATFORM": "cpu", "VLLM_PORT": str(port), "OTHER_ENGINE_PORTS": ",",
                         "RUNTIME": "native", "NATIVE_STOP_GRACE": "3", **(settings or {})})
     return root
+
+
+def write_checkpoint(folder: Path) -> Path:
+    """A 2-layer Qwen3 checkpoint folder as the KV calibration sees it (config, weights file,
+    tokenizer); nothing in it loads."""
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3", "num_hidden_layers": 2}))
+    (folder / "model.safetensors").write_bytes(b"weights")
+    (folder / "tokenizer.json").write_text("{}")
+    return folder

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from conftest import ROOT, need
+from helpers import write_checkpoint
 
 from vllmstack.config.profiles import resolve
 from vllmstack.core.paths import Project
@@ -47,12 +48,7 @@ def read_scales(path: Path) -> dict[str, float]:
 
 @pytest.fixture
 def model(tmp_path: Path) -> Path:
-    folder = tmp_path / "m"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3", "num_hidden_layers": 2}))
-    (folder / "model.safetensors").write_bytes(b"weights")
-    (folder / "tokenizer.json").write_text("{}")
-    return folder
+    return write_checkpoint(tmp_path / "m")
 
 
 def plan_for(project: Project, model: Path, tmp_path: Path,

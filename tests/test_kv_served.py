@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from helpers import write_checkpoint
 
 from vllmstack.checks.registry import run_checks
 from vllmstack.config.profiles import Resolved, resolve
@@ -28,12 +29,7 @@ PYTHON = "/opt/engine/bin/python3"
 
 @pytest.fixture
 def model(tmp_path: Path) -> Path:
-    folder = tmp_path / "m"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3", "num_hidden_layers": 2}))
-    (folder / "model.safetensors").write_bytes(b"weights")
-    (folder / "tokenizer.json").write_text("{}")
-    return folder
+    return write_checkpoint(tmp_path / "m")
 
 
 class Measure:
