@@ -356,13 +356,17 @@ def with_model(resolved: Resolved, folder: Path, why: str) -> Resolved:
                                history=history)
 
 
-def check_visible(folder: Path, beside: Beside) -> None:
-    """The engine must see the copy and follow its links where it runs (a container: under
-    MODELS_DIR, with hard links to the checkpoint's files)."""
+def require_seen(folder: Path, beside: Beside) -> None:
+    """Where the engine runs, the copy's folder is there (a container: under MODELS_DIR)."""
     if beside.see(folder) is None:
         raise CalibrationError(f"the engine container does not see {folder}, where the calibrated "
                                "copy goes (it mounts MODELS_DIR and the caches only)",
                                "set MODELS_DIR in .env (a folder for local model copies)")
+
+
+def require_links(folder: Path, beside: Beside) -> None:
+    """Where the engine runs, the copy's links lead to the checkpoint's files (a container:
+    hard links; symbolic ones name host paths it does not have)."""
     unseen = unseen_links(folder, beside.see) if folder.is_dir() else []
     if unseen:
         raise CalibrationError(
@@ -395,9 +399,7 @@ def served_model(project: Project, resolved: Resolved, environ: Mapping[str, str
         plan = plan_from_copy(folder, sidecar)
         if plan is None or scale_problems(sidecar.get("scales") or {}):
             return resolved  # a source that is gone, or a zero scale: `check` refuses and says why
-        where = beside()
-        check_visible(folder, where)
-        done = _ensure(project, resolved, environ, plan, where, say)
+        done = _ensure(project, resolved, environ, plan, beside(), say)
         if done is not None and not done.made:
             say(f"fp8 KV scales: {folder} is fresh")
         return resolved
@@ -406,9 +408,7 @@ def served_model(project: Project, resolved: Resolved, environ: Mapping[str, str
     existing = read_sidecar(plan.target)
     if existing is not None and scale_problems(existing.get("scales") or {}):
         return with_model(resolved, plan.target, why)  # served as it is: `check` refuses it
-    where = beside()
-    check_visible(plan.target, where)
-    done = _ensure(project, resolved, environ, plan, where, say)
+    done = _ensure(project, resolved, environ, plan, beside(), say)
     if done is None and not plan.target.is_dir():  # a dry run: there is no copy to check yet
         say(f"(dry run) once measured, {plan.target} is served in place of "
             f"{resolved.get_str('VLLM_MODEL')}; the checks and the command below are the source's")
@@ -420,9 +420,11 @@ def served_model(project: Project, resolved: Resolved, environ: Mapping[str, str
 
 def _ensure(project: Project, resolved: Resolved, environ: Mapping[str, str], plan: CalibrationPlan,
             where: Beside, say: Callable[[str], None]) -> Calibration | None:
-    """ensure_calibrated where the engine runs; a copy just written is checked again (its links
-    are hard only where the file system allowed)."""
+    """ensure_calibrated where the engine runs, and the copy visible there: the folder before
+    anything is measured, its links once it is fresh (a copy with links a container cannot follow
+    is one the file system did not let link hard: measuring again would not change that)."""
+    require_seen(plan.target, where)
     done = ensure_calibrated(project, resolved, environ, beside=where, plan=plan, say=say)
-    if done is not None and done.made:
-        check_visible(plan.target, where)
+    if done is not None:
+        require_links(plan.target, where)
     return done
