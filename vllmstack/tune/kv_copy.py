@@ -4,7 +4,8 @@ keeps it fresh.
 Stock checkpoints ship no KV scales, and vLLM then quantizes K and V with scale 1.0, which clips
 everything beyond the fp8 e4m3 range (448) and wastes its resolution below it. A calibrated copy:
 
-* links every file of the source (nothing is duplicated), adds `kv_scales.safetensors` with
+* links every file of the source (hard links where the file system allows, so that a container
+  sees them under MODELS_DIR too; nothing is duplicated), adds `kv_scales.safetensors` with
   `<layer>.self_attn.k_scale` / `.v_scale` (vLLM maps them onto `...self_attn.attn.k_scale`,
   model_loader/weight_utils.maybe_remap_kv_scale_name), and rewrites config.json: an unquantized
   checkpoint gets a compressed-tensors `kv_cache_scheme` (fp8, per tensor, static, symmetric), the
@@ -14,11 +15,12 @@ everything beyond the fp8 e4m3 range (448) and wastes its resolution below it. A
   are all finite and above zero, or it is not written (an upstream calibrator silently wrote
   all-zero scales once; a zero scale divides by zero in the cache);
 * has a sidecar (`vllmstack-kv-calibration.json`) naming the source snapshot, the corpus hash and
-  the tool versions.
+  where it was measured (the engine's version and interpreter, or its image).
 
 `ensure_calibrated` rebuilds the copy when any of those changed; `invoke calibrate-kv` calls it,
 and so does `up` (`served_model`) when VLLM_KV_SCALES=calibrated or VLLM_MODEL is such a copy:
-a stale copy is rebuilt before the engine starts, one with a zero scale is refused.
+a stale copy is rebuilt before the engine starts, where the engine runs (runtime.base.Beside), and
+one with a zero scale is refused.
 """
 
 from __future__ import annotations
