@@ -138,7 +138,8 @@ def test_up_refuses_a_zeroed_scale_and_rebuilds_a_stale_copy_before_serving_it(b
     assert stale.returncode == 0 and "kv-calibration-stale" in stale.stdout, stale.stdout + stale.stderr
     try:
         served = box.must("up", "--no-dashboard", "--set", f"VLLM_MODEL={TRAINED}",
-                          "--set", "VLLM_KV_CACHE_DTYPE=fp8", "--set", "VLLM_KV_SCALES=calibrated")
+                          "--set", f"VLLM_TOKENIZER={TRAINED}", "--set", "VLLM_KV_CACHE_DTYPE=fp8",
+                          "--set", "VLLM_KV_SCALES=calibrated")
         assert f"fp8 KV scales: calibrating {folder} (the source snapshot changed" in served, served
         assert "healthy after" in served
         state = json.loads((box.root / "generated" / "state.json").read_text())
