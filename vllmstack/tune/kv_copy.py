@@ -46,6 +46,7 @@ from vllmstack.core.errors import StackError
 from vllmstack.core.paths import Project
 from vllmstack.runtime.base import Beside
 from vllmstack.runtime.engine_env import stack_paths
+from vllmstack.runtime.native.beside import NO_ENGINE_FIX
 from vllmstack.runtime.native.install import engine_interpreter, engine_version
 
 SIDECAR = "vllmstack-kv-calibration.json"
@@ -260,9 +261,7 @@ def engine_python(project: Project, resolved: Resolved, python: str | None, *,
         return found
     version = engine_version(resolved)
     raise CalibrationError(f"no engine environment for vLLM {version or '(no version)'} to run in",
-                           "install it (invoke install-engine, --platform cpu for the CPU build), name "
-                           "the platform whose engine is installed (--platform cpu), or pass --python "
-                           "with an interpreter that has torch and transformers")
+                           NO_ENGINE_FIX)
 
 
 @dataclass

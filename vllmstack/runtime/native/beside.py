@@ -17,6 +17,9 @@ from vllmstack.runtime.native.install import engine_interpreter, engine_version
 from vllmstack.runtime.native.procs import NativeError
 
 PACKAGE_PARENT = Path(__file__).resolve().parents[3]
+NO_ENGINE_FIX = ("install it (invoke install-engine, --platform cpu for the CPU build), name the "
+                 "platform whose engine is installed (--platform cpu), or pass --python with an "
+                 "interpreter that has torch and transformers")
 
 
 def runner_path(environ: Mapping[str, str]) -> str:
@@ -41,9 +44,7 @@ def native_beside(project: Project, resolved: Resolved, environ: Mapping[str, st
     version = engine_version(resolved)
     if interpreter is None:
         raise NativeError(f"no engine environment for vLLM {version or '(no version)'} to run in",
-                          "install it (invoke install-engine, --platform cpu for the CPU build), name "
-                          "the platform whose engine is installed (--platform cpu), or pass --python "
-                          "with an interpreter that has torch and transformers")
+                          NO_ENGINE_FIX)
     env = runner_environment(resolved, environ)
 
     def run(args: Sequence[str], _writable: Sequence[Path], timeout: float) -> Result:
