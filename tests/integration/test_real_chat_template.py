@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import tempfile
 import time
 import urllib.request
@@ -48,17 +49,22 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     home = base / "home"
     home.mkdir()
     port = free_port()
+    # A short path: the engine's ZeroMQ sockets live under it, and a socket path has at most
+    # 107 bytes (the checkout's .cache/real-engine-tests/... went over). Removed at the end: the
+    # engine's compile cache in it is 150 MB a run.
+    host_cache = tempfile.mkdtemp(prefix="v24-")
     write_dotenv(root, {
         "PLATFORM": "cpu", "MODEL_PROFILE": "tiny", "RUNTIME": "native", "VLLM_PORT": str(port),
         "OTHER_ENGINE_PORTS": "", "DASHBOARD_PORT": str(free_port()),
-        # A short path: the engine's ZeroMQ sockets live under it, and a socket path has at most
-        # 107 bytes (the checkout's .cache/real-engine-tests/... went over).
-        "HOST_CACHE_DIR": tempfile.mkdtemp(prefix="v24-"), "UP_TIMEOUT": str(BOOT_TIMEOUT_S),
+        "HOST_CACHE_DIR": host_cache, "UP_TIMEOUT": str(BOOT_TIMEOUT_S),
         "HF_CACHE_DIR": str(home / ".cache" / "huggingface")})
     made = Stack(root, home, port, engine)
     made.must("make-model")
-    yield made
-    made.invoke("down", timeout=180)
+    try:
+        yield made
+    finally:
+        made.invoke("down", timeout=180)
+        shutil.rmtree(host_cache, ignore_errors=True)
 
 
 def counters(stack: Stack) -> tuple[float, float]:
