@@ -4,12 +4,15 @@ read safely, and real process groups are started, watched and ended without left
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -73,6 +76,49 @@ def proc_root(tmp_path: Path) -> Path:
     (root / "sys/kernel/random/boot_id").write_text("boot-a\n")
     (root / "stat").write_text("cpu 1 2 3\nbtime 1700000000\n")
     return root
+
+
+def test_an_engine_caught_inside_its_exec_is_still_the_engine(proc_root: Path) -> None:
+    """A wrapper that execs the engine: for a moment the new image reads back with an empty
+    environment and command line. `up` asked then, called its own engine a stranger's and ended
+    it (seen in CI: 'does not carry the record's marker ... : ?'). It asks again instead."""
+    table = ProcTable(proc_root)
+    fake_proc(proc_root, 4242, start=1000)
+    folder = proc_root / "4242"
+    (folder / "cmdline").write_bytes(b"")  # mid-exec: both blank
+
+    def finish_exec() -> None:
+        time.sleep(0.05)
+        (folder / "environ").write_bytes(f"{MARKER_VAR}={'m' * 32}".encode())
+        (folder / "cmdline").write_bytes(b"vllm\0serve\0")
+
+    finisher = threading.Thread(target=finish_exec)
+    finisher.start()
+    try:
+        assert table.identify(record()) == "alive"
+    finally:
+        finisher.join()
+
+
+def test_a_blank_process_that_stays_blank_is_not_the_engine(
+        proc_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    table = ProcTable(proc_root)
+    fake_proc(proc_root, 4242, start=1000)
+    (proc_root / "4242" / "cmdline").write_bytes(b"")
+    naps: list[float] = []
+    monkeypatch.setattr(procs.time, "sleep", naps.append)
+    clock = itertools.count(0.0, 0.1)  # each look at the clock 0.1 s later: the wait runs out
+    monkeypatch.setattr(procs.time, "monotonic", lambda: next(clock))
+    assert table.identify(record()) == "unmarked"
+    assert naps  # it asked again before deciding
+    # A process with a command line but no marker is a stranger at once: no wait.
+    naps.clear()
+    (proc_root / "4242" / "cmdline").write_bytes(b"sleep\x0060\x00")
+    assert table.identify(record()) == "unmarked" and naps == []
+    # One that exits while it is waited on has exited.
+    (proc_root / "4242" / "cmdline").write_bytes(b"")
+    monkeypatch.setattr(procs.time, "sleep", lambda _s: shutil.rmtree(proc_root / "4242"))
+    assert table.identify(record()) == "exited"
 
 
 def test_identify_tells_alive_exited_reused_rebooted_unmarked_and_zombie(proc_root: Path) -> None:

@@ -27,6 +27,9 @@ from vllmstack.runtime.native.records import MARKER_VAR, EngineRecord
 DEFAULT_GRACE_S = 30.0  # compose.yaml's stop_grace_period, so both runtimes stop alike
 KILL_WAIT_S = 10.0
 POLL_S = 0.1
+# How long a recorded engine may look blank while it execs (ELF loading: milliseconds).
+EXEC_WAIT_S = 0.5
+EXEC_POLL_S = 0.01
 
 
 class NativeError(StackError):
@@ -157,7 +160,24 @@ class ProcTable:
             return "reused"
         if proc.zombie:
             return "exited"
-        return "alive" if self.carries(record.pid, record.marker) else "unmarked"
+        deadline = time.monotonic() + EXEC_WAIT_S
+        while not self.carries(record.pid, record.marker):
+            # Inside an execve (a wrapper that execs the engine, right after the launch) the
+            # new image shows an empty environment and command line for a moment: asked then,
+            # `up` took its own engine for a stranger's and ended it. Ask again, briefly.
+            if not self.mid_exec(record.pid) or time.monotonic() >= deadline:
+                return "unmarked" if self.get(record.pid) is not None else "exited"
+            time.sleep(EXEC_POLL_S)
+        return "alive"
+
+    def mid_exec(self, pid: int) -> bool:
+        """Both the environment and the command line read back empty: an image being set up
+        (or a kernel thread, whose start time never matches a record)."""
+        try:
+            return not any((self.root / str(pid) / name).read_bytes() for name in ("environ",
+                                                                                   "cmdline"))
+        except OSError:
+            return False
 
     def is_alive(self, record: EngineRecord) -> bool:
         return self.identify(record) == "alive"
