@@ -86,7 +86,8 @@ def docker_ready(*images: str, env: Mapping[str, str] | None = None) -> bool:
 
 # What a throwaway project needs to resolve profiles and run invoke; the package and the
 # dashboard's build files only for tests that build the dashboard image.
-PROJECT_DIRS = ("env", "chat-templates", "fp8_configs", "fused_moe_configs", "patches")
+PROJECT_DIRS = ("env", "chat-templates", "fp8_configs", "fused_moe_configs", "patches",
+                "engine-plugins")
 PROJECT_FILES = ("tasks.py", ".env.example", "compose.yaml")
 PACKAGE_PARTS = ("vllmstack", "pyproject.toml", "Dockerfile.dashboard",
                  "Dockerfile.dashboard.dockerignore")

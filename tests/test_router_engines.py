@@ -41,7 +41,8 @@ class FakeLifecycle:
         self.aborted = threading.Event()
         self.lock = threading.Lock()
 
-    def load(self, entry: Entry, util: float | None = None, sleep_mode: bool = False) -> Loaded:
+    def load(self, entry: Entry, util: float | None = None, sleep_mode: bool = False,
+             frees: str = "all") -> Loaded:
         with self.lock:
             self.calls.append(("load", entry.id))
             assert self.running is None, f"{entry.id} loaded while {self.running} runs"

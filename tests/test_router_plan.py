@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -22,8 +23,10 @@ from vllmstack.router.engines import EngineManager
 from vllmstack.router.limits import Limits
 from vllmstack.router.memory import render_plan
 from vllmstack.router.plan import (
+    ALL,
     DEFAULT_RESIDUE,
     GIB,
+    KV,
     RESTART,
     SCORE,
     SLEEP,
@@ -31,6 +34,7 @@ from vllmstack.router.plan import (
     Plan,
     View,
     apply_store,
+    choose_frees,
     exclusive_plan,
     host_limit,
     judge_sleep,
@@ -194,8 +198,10 @@ class FakeCard:
     fit fails as vLLM does, and the highest use is kept."""
 
     def __init__(self, total: int, *, residue: int = GIB, keep: tuple[str, ...] = (),
-                 util: float = 0.6) -> None:
+                 util: float = 0.6, weights: int = 0) -> None:
         self.total, self.residue, self.keep, self.util = total, residue, keep, util
+        self.weights = weights  # what an engine started with frees="kv" keeps asleep
+        self.frees: dict[str, str] = {}
         self.held: dict[str, int] = {}
         self.budget: dict[str, int] = {}
         self.calls: list[tuple[str, str]] = []
@@ -206,7 +212,8 @@ class FakeCard:
         self.held[name] = amount
         self.peak = max(self.peak, sum(self.held.values()))
 
-    def load(self, entry: Entry, util: float | None = None, sleep_mode: bool = False) -> Loaded:
+    def load(self, entry: Entry, util: float | None = None, sleep_mode: bool = False,
+             frees: str = "all") -> Loaded:
         with self.lock:
             self.calls.append(("load", entry.id))
             want = int(self.total * (util or self.util))
@@ -214,6 +221,7 @@ class FakeCard:
             if free < want:
                 raise StackError(f"Free memory on device ({free}) is less than desired ({want})")
             self.budget[entry.id] = want
+            self.frees[entry.id] = frees
             self._hold(entry.id, want)
         return Loaded(f"http://127.0.0.1:1/{entry.id}")
 
@@ -233,7 +241,8 @@ class FakeCard:
             self.calls.append(("sleep", entry.id))
             before = sum(self.held.values())
             if entry.id not in self.keep:
-                self._hold(entry.id, self.residue)
+                kept = self.weights if self.frees.get(entry.id) == KV else 0
+                self._hold(entry.id, self.residue + kept)
             return Slept(0.01, before, sum(self.held.values()))
 
     def wake(self, entry: Entry) -> float:
@@ -272,7 +281,8 @@ def test_swaps_sleep_and_wake_and_the_card_never_holds_more_than_it_has() -> Non
         manager, remembered = sleeping_pool(card, A, B)
         await manager.load(A, 5)  # no client waits: its first sleep is paid at load
         assert card.calls == [("load", "a"), ("sleep", "a"), ("wake", "a")]
-        assert remembered == [{"profile": "a", "residue_bytes": GIB, "util": None}]
+        assert remembered == [{"profile": "a", "residue_bytes": GIB, "util": None,
+                               "frees": "all"}]
         for model in (B, A, B, A):
             await manager.acquire(model, 5)
             manager.release(model)
@@ -442,5 +452,70 @@ def test_a_load_a_client_waits_for_pays_its_first_sleep_once_idle(
         assert card.calls == [("load", "a"), ("sleep", "a"), ("wake", "a")]
         assert manager.members["a"].primed and manager.members["a"].ready
         assert manager.swaps[-1].reason == "prime"
+
+    run(go)
+
+
+# --- sleeps that free the KV cache only (ROUTER_SLEEP_FREES=kv) --------------------------------
+
+
+def test_auto_keeps_the_weights_on_the_card_only_where_every_budget_fits_beside_them() -> None:
+    capacity = CARD - GIB // 2
+    small, big = need("small", 0.5, host_gib=1.2), need("big", 0.5, host_gib=15.3)
+    # 40 GiB: 20 GiB for the 8B's budget beside the 0.6B's 3.2 asleep, and 20 beside 17.3.
+    frees, why = choose_frees({"small": small, "big": big}, capacity, CARD, "auto", "nvidia")
+    assert frees == KV and "the weights stay on the card" in why
+    # 0.75 x 40 = 30 GiB beside the 8B's 17.3 GiB asleep does not fit: weights go to host RAM.
+    frees, why = choose_frees({"small": replace(small, util=0.75), "big": big}, capacity, CARD,
+                              "auto", "nvidia")
+    assert frees == ALL and "small's budget (30.0 GiB)" in why and "17.3 GiB" in why
+    # Only on CUDA, only with every weight size known, and what is set wins.
+    assert choose_frees({"small": small}, capacity, CARD, "auto", "amd")[0] == ALL
+    assert choose_frees({"small": need("small", 0.6, host_gib=0)}, capacity, CARD, "auto",
+                        "nvidia") == (ALL, "ROUTER_SLEEP_FREES=auto: the weight size of small "
+                                           "is unknown")
+    assert choose_frees({"small": small}, capacity, CARD, "kv", "amd")[0] == KV
+    assert choose_frees({"small": small, "big": big}, capacity, CARD, "all", "nvidia")[0] == ALL
+
+
+def test_a_kv_sleep_is_judged_against_what_it_should_free_and_holds_no_host_ram() -> None:
+    kv = replace(need("big", 0.6, host_gib=15.3), frees=KV, residue=int(16.8 * GIB))
+    the_plan = plan(kv)
+    budget = the_plan.budget("big")
+    # Freed 24 GiB - 15.3 GiB weights - 1.5 GiB: released, as it should be.
+    verdict = judge_sleep(the_plan, "big", None, budget, int(16.8 * GIB))
+    assert verdict.released and verdict.residue == int(16.8 * GIB)
+    # A sleep that freed only half of the KV cache is not.
+    assert not judge_sleep(the_plan, "big", None, budget, budget - int(3 * GIB)).released
+    assert kv.backup == 0 and need("big", 0.6, host_gib=15.3).backup == int(15.3 * GIB)
+    # A residue measured by a sleep that freed the weights too is not this sleep's.
+    assert not apply_store(kv, {"residue_bytes": GIB}).measured
+    assert apply_store(kv, {"residue_bytes": 17 * GIB, "frees": "kv"}).residue == 17 * GIB
+
+
+def test_the_pool_starts_kv_engines_so_and_two_weights_stay_beside_one_budget() -> None:
+    """Two 0.6-budget engines on a 40 GiB card: each sleep keeps its 6 GiB of weights, so the
+    card holds one budget and one sleeper's weights, never more; every start asks for kv."""
+    card = FakeCard(40 * GIB, weights=6 * GIB)
+
+    async def go() -> None:
+        remembered: list[dict[str, object]] = []
+        needs = [replace(Need(e.id, e.profile, SLEEP, "test", 0.6, 1, 6 * GIB), frees=KV,
+                         residue=6 * GIB + DEFAULT_RESIDUE) for e in (A, B)]
+        manager = EngineManager(catalog(A, B), card, plan=Plan({n.id: n for n in needs},
+                                                               card.total, 0, 0),
+                                limits=Limits(swap_wait=0, swap_grace=0),
+                                remember=lambda profile, fields: remembered.append(
+                                    {"profile": profile, **fields}))
+        for model in (A, B, A, B):
+            await manager.acquire(model, 5)
+            manager.release(model)
+        assert card.frees == {"a": KV, "b": KV}
+        assert [c for c in card.calls if c[0] in ("sleep", "wake")] == [
+            ("sleep", "a"), ("sleep", "b"), ("wake", "a"), ("sleep", "a"), ("wake", "b")]
+        assert card.peak <= 24 * GIB + 7 * GIB  # one budget, one sleeper's weights and residue
+        assert {"profile": "a", "residue_bytes": 7 * GIB, "util": None, "frees": KV} in remembered
+        assert all(m.mode == SLEEP for m in manager.members.values())  # no fallback
+        await manager.shutdown()
 
     run(go)

@@ -106,7 +106,8 @@ class FakeLifecycle:
     def __init__(self, url: str, fail: str = "") -> None:
         self.url, self.fail = url, fail
 
-    def load(self, entry: Entry, util: float | None = None, sleep_mode: bool = False) -> Loaded:
+    def load(self, entry: Entry, util: float | None = None, sleep_mode: bool = False,
+             frees: str = "all") -> Loaded:
         if entry.id == self.fail:
             raise StackError("the engine exited with code 1: out of memory", "lower the context")
         return Loaded(self.url)

@@ -8,11 +8,13 @@ from typing import Any
 import pytest
 
 from vllmstack.config.profiles import resolve
+from vllmstack.config.schema import load_schema
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import RecordingRunner
 from vllmstack.router.catalog import Entry
 from vllmstack.router.stacks import StackLifecycle
 from vllmstack.runtime.base import EngineState
+from vllmstack.runtime.engine_env import engine_environment
 from vllmstack.serve import lifecycle
 from vllmstack.serve.state import write_state
 
@@ -63,3 +65,44 @@ def test_a_load_that_fails_after_the_engine_started_ends_that_engine_only(
     # that this load did not start is left alone.
     assert downs == (["down"] if started_here else [])
     assert engine.running is not started_here
+
+
+@pytest.mark.parametrize("frees", ["kv", "all"])
+def test_an_engine_whose_sleep_frees_the_kv_cache_only_gets_the_plugin(
+        project: Project, monkeypatch: pytest.MonkeyPatch, frees: str) -> None:
+    """ROUTER_SLEEP_FREES=kv: the engine's environment puts engine-plugins first on its
+    PYTHONPATH, keeps the path the profile gave (or the router's own), and turns the plugin on;
+    without it, nothing of the plugin reaches the engine."""
+    resolved = resolve(project, platform="cpu", model="qwen3-0.6b", environ={},
+                       overrides=["ENGINE_ENV=PYTHONPATH=/opt/mine HF_HUB_OFFLINE=1"])
+    entry = Entry("qwen3-0.6b", "qwen3-0.6b", "vllm", resolved, 0.0)
+    seen: list[Any] = []
+
+    class Up:
+        url, boot_seconds, warmup_seconds = "http://127.0.0.1:1", 1.0, 0.1
+
+    def fake_open(project: Project, resolved: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append(resolved)
+        return type("FakeStack", (), {"engine": Running(), "out": io.StringIO()})()
+
+    monkeypatch.setattr(lifecycle, "open_stack", fake_open)
+    monkeypatch.setattr(lifecycle, "up", lambda stack, **kwargs: Up())
+    loads = StackLifecycle(project, {"PYTHONPATH": "/tmp/site"}, RecordingRunner(),
+                           say=lambda line: None)
+    loads.load(entry, 0.5, True, frees)
+    env = engine_environment(seen[0], load_schema())
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["HF_HUB_OFFLINE"] == "1"
+    if frees == "kv":
+        plugins = project.root / "engine-plugins"
+        assert env["PYTHONPATH"] == f"{plugins}:/opt/mine"
+        assert env["VLLMSTACK_SLEEP_FREES"] == "kv"
+        assert (plugins / "vllmstack_sleep-1.0.dist-info" / "entry_points.txt").is_file()
+    else:
+        assert env["PYTHONPATH"] == "/opt/mine" and "VLLMSTACK_SLEEP_FREES" not in env
+    # Without a path of the profile's own, the router's is kept behind the plugin.
+    bare = Entry("qwen3-0.6b", "qwen3-0.6b", "vllm",
+                 resolve(project, platform="cpu", model="qwen3-0.6b", environ={}), 0.0)
+    loads.load(bare, 0.5, True, frees)
+    env = engine_environment(seen[1], load_schema())
+    assert env.get("PYTHONPATH") == (f"{project.root / 'engine-plugins'}:/tmp/site"
+                                     if frees == "kv" else None)

@@ -7,6 +7,7 @@
 #   source .gpu/p3/tools/device.sh setup && bash benchmarks/gpu/h200-router-sleep-run.sh sleep
 #   source .gpu/p3/tools/device.sh setup && bash benchmarks/gpu/h200-router-sleep-run.sh restart
 #   source .gpu/p3/tools/device.sh setup && bash benchmarks/gpu/h200-router-sleep-run.sh hybrid
+#   (2026-12-02: kv and hybrid-kv, the same runs with ROUTER_SLEEP_FREES=auto, which picks kv)
 # sleep:   the router (--swap sleep) over the 0.6B and the 8B geometry at gpu_memory_utilization
 #          0.6 each (they do not fit together, so every swap sleeps one and wakes the other);
 #          both loaded through /v1/load (each pays its first sleep there), then 12 alternating
@@ -14,6 +15,9 @@
 #          own, straight after (router_swap_probe.py), with the router's split (sleep, wake,
 #          first answer), the card's memory before and after each swap, the most engines awake.
 # restart: the same two profiles and requests with --swap restart (3 requests: 2 swaps).
+# kv, hybrid-kv: sleep and hybrid with ROUTER_SLEEP_FREES=auto (the others run with =all, vLLM's
+#          own level 1): the plan keeps the weights on the card (both fit beside one budget), so a
+#          sleep releases only the KV cache (engine-plugins/vllmstack_sleep) and nothing is copied.
 # hybrid:  the Qwen3.6-27B-like hybrid with MTP-1 at TP=1 (util 0.85, --gdn-prefill-backend
 #          triton) beside the 0.6B (eager, util 0.3): load both, then 6 alternating requests.
 # Done when (issue 21): a swap back to a loaded model <= 0.5 s up to 8B and <= 1.5 s for the 27B
@@ -46,11 +50,12 @@ ATTENTION_BACKEND=TRITON_ATTN
 OTHER_ENGINE_PORTS=
 VLLM_MAX_MODEL_LEN=16384
 ROUTER_SWAP_GRACE=0
+ROUTER_SLEEP_FREES=$([ "${MODE%kv}" != "$MODE" ] && echo auto || echo all)
 E
 # Profiles of their own (the keys that differ live in the profile: .env would win over them).
 # Beside the hybrid the small one starts quickly (eager) and takes little: the swap measured
 # there is the hybrid's wake.
-SMALL="VLLM_GPU_MEM_UTIL=0.6"; [ "$MODE" = hybrid ] && SMALL=$'VLLM_GPU_MEM_UTIL=0.3\nVLLM_ENFORCE_EAGER=1'
+SMALL="VLLM_GPU_MEM_UTIL=0.6"; [ "${MODE%-kv}" = hybrid ] && SMALL=$'VLLM_GPU_MEM_UTIL=0.3\nVLLM_ENFORCE_EAGER=1'
 cat > env/models/h200-small.env <<E
 PROFILE_DESCRIPTION=the Qwen3-0.6B geometry, dummy weights (issue 21's evidence run)
 EXTENDS=models/qwen3-0.6b
@@ -96,10 +101,10 @@ E
 cp .env "$O/dotenv.txt"; cp env/models/h200-*.env "$O/"
 rm -f generated/router/memory.json  # each mode measures its residues afresh
 case $MODE in
-sleep)   PROFILES=h200-small,h200-8b; SWAP=sleep;   ARGS="--models small,big --cycles 12 --load"; LIMIT=560 ;;
+sleep|kv) PROFILES=h200-small,h200-8b; SWAP=sleep;   ARGS="--models small,big --cycles 12 --load"; LIMIT=560 ;;
 restart) PROFILES=h200-small,h200-8b; SWAP=restart; ARGS="--models small,big,small --cycles 3"; LIMIT=560 ;;
-hybrid)  PROFILES=h200-27b,h200-small; SWAP=sleep;  ARGS="--models hybrid,small --cycles 6 --load"; LIMIT=560 ;;
-*) echo "usage: $0 sleep|restart|hybrid"; exit 2 ;;
+hybrid|hybrid-kv) PROFILES=h200-27b,h200-small; SWAP=sleep;  ARGS="--models hybrid,small --cycles 6 --load"; LIMIT=560 ;;
+*) echo "usage: $0 sleep|restart|hybrid|kv|hybrid-kv"; exit 2 ;;
 esac
 smi "before"
 step "plan ($PROFILES, --swap $SWAP)"
@@ -124,4 +129,5 @@ cp generated/router.json "$O/" 2>/dev/null
 step "router stop (SIGTERM)"; kill -TERM $R; wait $R; echo "router rc=$?" >> "$O/steps.log"
 smi "after SIGTERM"
 ps aux | grep -E "vllm|VLLMSTACK" | grep -v grep > "$O/ps-after-stop.txt"
+grep -h "vllmstack_sleep\|Sleep mode freed\|sleep-mode backend" generated/router/*.log > "$O/sleeps.txt" 2>/dev/null
 step end

@@ -75,7 +75,8 @@ class Lifecycle:
     def __init__(self, url: str) -> None:
         self.url, self.unloads = url, 0
 
-    def load(self, entry: Entry, util: float | None = None, sleep_mode: bool = False) -> Loaded:
+    def load(self, entry: Entry, util: float | None = None, sleep_mode: bool = False,
+             frees: str = "all") -> Loaded:
         return Loaded(self.url)
 
     def unload(self, entry: Entry) -> None:

@@ -38,7 +38,7 @@ def run_test_suite(
             print(f"test environment setup failed (exit {result.returncode})", file=sys.stderr)
             return result.returncode or 1
     steps = [
-        [py, "-m", "ruff", "check", "vllmstack", "tests", "tasks.py"],
+        [py, "-m", "ruff", "check", "vllmstack", "tests", "tasks.py", "engine-plugins"],
         [py, "-m", "mypy"],
         lint_imports_argv(py),
     ]

@@ -3,27 +3,33 @@
 Per profile: how it swaps (ROUTER_SWAP, its engine, the platform's GPU vendor, whether the
 runtime runs several engines), its budget (VLLM_GPU_MEM_UTIL x the card), its weights (the host
 RAM a sleeping vLLM backs them up in: MODEL_WEIGHT_GIB, the files on disk, or config.json's
-geometry), and what generated/router/memory.json measured (its residue asleep, or why its sleep
-falls back to restart). The card is what the stack's GPU probe reads (nvidia-smi, sysfs, or
+geometry), what its sleep frees (ROUTER_SLEEP_FREES, plan.choose_frees), and what
+generated/router/memory.json measured (its residue asleep, or why its sleep falls back to
+restart). The card is what the stack's GPU probe reads (nvidia-smi, sysfs, or
 GPU_MEMORY_DIR); nothing is started to build the plan.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 
 from vllmstack.config.modelinfo import load_model_facts
 from vllmstack.core.paths import Project
 from vllmstack.router.catalog import Catalog
 from vllmstack.router.plan import (
+    DEFAULT_RESIDUE,
     GIB,
+    KV,
     LRU,
+    MARGIN,
     SLEEP,
     Need,
     Plan,
     View,
     apply_store,
+    choose_frees,
     host_limit,
     read_store,
     swap_mode,
@@ -52,13 +58,25 @@ def build_plan(project: Project, catalog: Catalog, environ: Mapping[str, str], *
             util, gpus = 1.0, 1
             if weights and card:
                 util = min(1.0, round((weights * 1.2 + 2) * GIB / card, 3))
-        need = Need(entry.id, entry.profile, mode, why, util, gpus, int(weights * GIB))
-        needs[entry.id] = apply_store(need, store.get(entry.profile, {}))
+        needs[entry.id] = Need(entry.id, entry.profile, mode, why, util, gpus, int(weights * GIB))
     baseline = max((c.used_bytes for c in cards), default=0) if cards else 0
-    return Plan(needs, card, baseline,
+    capacity = None if card is None else max(0, card - baseline - MARGIN)
+    frees, frees_why = choose_frees(needs, capacity, card, first.get_str("ROUTER_SLEEP_FREES")
+                                    or "auto", first.get_str("GPU_VENDOR"))
+    for id_, need in needs.items():
+        if need.mode == SLEEP and frees == KV:
+            # Until its first sleep is measured: its weights stay, beside what any sleep keeps.
+            need = replace(need, frees=KV,
+                           residue=need.host // max(1, need.gpus) + DEFAULT_RESIDUE)
+        needs[id_] = apply_store(need, store.get(need.profile, {}))
+    plan = Plan(needs, card, baseline,
                 host_limit(first.get_float("ROUTER_HOST_RAM_GIB"), meminfo),
                 first.get_str("ROUTER_EVICT") or LRU,
                 exclusive=not several or card is None)
+    if any(n.mode == SLEEP for n in needs.values()):
+        plan.notes.append(f"sleep frees {'the KV cache only' if frees == KV else 'the weights too'}"
+                          f": {frees_why}")
+    return plan
 
 
 def render_plan(plan: Plan, catalog: Catalog) -> str:
@@ -74,14 +92,16 @@ def render_plan(plan: Plan, catalog: Catalog) -> str:
         lines.append("one engine at a time: " + (
             "no reading of the card's memory" if plan.card is None else
             "this runtime runs one engine per checkout"))
-    lines.append(f"{'model':<24} {'swap':<8} {'util':>5} {'budget':>8} {'asleep':>8} "
-                 f"{'host':>7}  why")
+    lines += plan.notes
+    lines.append(f"{'model':<24} {'swap':<8} {'frees':<5} {'util':>5} {'budget':>8} "
+                 f"{'asleep':>8} {'host':>7}  why")
     for need in plan.needs.values():
         budget = (f"{plan.budget(need.id) * need.gpus / GIB:.1f}G" if plan.card else "-")
         asleep = (f"{need.residue * need.gpus / GIB:.1f}G" + ("" if need.measured else "*")
                   if need.mode == SLEEP else "-")
-        host = f"{need.host / GIB:.1f}G" if need.host else "?"
-        lines.append(f"{need.id[:24]:<24} {need.mode:<8} {need.util:>5g} {budget:>8} "
+        host = (f"{need.backup / GIB:.1f}G" if need.host else "?") if need.mode == SLEEP else "-"
+        frees = need.frees if need.mode == SLEEP else "-"
+        lines.append(f"{need.id[:24]:<24} {need.mode:<8} {frees:<5} {need.util:>5g} {budget:>8} "
                      f"{asleep:>8} {host:>7}  {need.why}")
     lines.append("(* not measured yet: 2 GiB per card assumed until its first sleep)")
     for target in plan.needs:

@@ -1,11 +1,14 @@
 """The router's memory plan: which engines stay awake, which sleep, which are stopped.
 
-Per profile it knows (`Need`): how it swaps (`sleep`: vLLM's sleep mode level 1, weights backed
-up in host RAM; `restart`: stopped and booted again) and why; its GPU budget per card
-(gpu_memory_utilization x the card: vLLM takes that much, KV cache included); its residue while
-asleep (what a sleeping vLLM still holds: measured after its first sleep and kept in
-generated/router/memory.json, 2 GiB until then); its host-RAM backup while asleep (its weight
-size, config.weights).
+Per profile it knows (`Need`): how it swaps (`sleep`: vLLM's sleep mode level 1; `restart`:
+stopped and booted again) and why; what its sleep frees (`all`: vLLM's own level 1, the weights
+backed up in host RAM and copied back at each wake; `kv`: the KV cache only, the weights stay on
+the card and nothing is copied, through the stack's engine plugin engine-plugins/vllmstack_sleep);
+its GPU budget per card (gpu_memory_utilization x the card: vLLM takes that much, KV cache
+included); its residue while asleep (what a sleeping vLLM still holds: measured after its first
+sleep and kept in generated/router/memory.json; until then 2 GiB, plus its weights where the sleep
+frees only the KV cache); its host-RAM backup while asleep (its weight size, config.weights;
+nothing where the weights stay on the card).
 
 `arrange` decides, for a model that must be awake, what has to give way: awake engines are put
 to sleep (or stopped, for restart ones) in the eviction policy's order until the target's budget
@@ -16,6 +19,10 @@ below that, sleeping engines are stopped too. Sleeping engines together stay wit
 ROUTER_HOST_RAM_GIB allows (default: half of MemTotal). Profiles that fit together stay awake
 together. Without a card reading (CPU, or Compose: one engine per checkout) the plan is
 exclusive: one engine awake at a time.
+
+`choose_frees` decides what sleeps free (ROUTER_SLEEP_FREES): `auto` keeps the weights on the card
+where the weights of every sleeping profile fit beside the largest budget (on CUDA, where it was
+measured), and frees them otherwise.
 
 `judge_sleep` reads a sleep's before/after GPU memory: a sleep that did not release the memory
 (ROCm before vLLM's 2026 sleep fixes) sends that profile back to restart, and the store keeps why.
@@ -35,6 +42,7 @@ from vllmstack.core.paths import Project
 
 GIB = 1024**3
 SLEEP, RESTART = "sleep", "restart"
+KV, ALL = "kv", "all"  # what a sleep frees: the KV cache only, or the weights too
 LRU, SCORE = "lru", "score"
 # What a sleeping vLLM keeps on each card until its own residue is measured: 1.2-1.4 GiB seen on
 # an H200 (0.6B, 8B, 27B hybrid), "all but ~2 GiB per GPU" at TP2.
@@ -63,6 +71,12 @@ class Need:
     host: int  # bytes backed up in host RAM while asleep (its weights); 0 when unknown
     residue: int = DEFAULT_RESIDUE  # bytes per card while asleep
     measured: bool = False  # the residue was measured on this host
+    frees: str = ALL  # what its sleep frees: ALL (weights to host RAM) or KV (weights stay)
+
+    @property
+    def backup(self) -> int:
+        """Bytes it holds in host RAM while asleep: its weights, unless they stay on the card."""
+        return 0 if self.frees == KV else self.host
 
     @property
     def floor(self) -> float:
@@ -193,7 +207,7 @@ class Plan:
         """Keep the sleeping engines within the host RAM limit: the least wanted are stopped."""
         if self.host_limit:
             sleeping = [*asleep, *to_sleep]
-            while sum(self.needs[v.id].host for v in sleeping) > self.host_limit and sleeping:
+            while sum(self.needs[v.id].backup for v in sleeping) > self.host_limit and sleeping:
                 victim = self.order(sleeping, now)[0]
                 sleeping.remove(victim)
                 if victim in to_sleep:
@@ -229,7 +243,8 @@ def judge_sleep(plan: Plan, id_: str, util: float | None, before: int | None,
         return Verdict(True, None, None, "no GPU memory reading: the release was not checked")
     freed = before - after
     budget = plan.budget(id_, util) * need.gpus
-    expected = max(0, budget - DEFAULT_RESIDUE * need.gpus)
+    kept = need.host if need.frees == KV else 0  # the weights that stay on the card
+    expected = max(0, budget - DEFAULT_RESIDUE * need.gpus - kept)
     residue = max(0, min(budget, after - before + budget)) // need.gpus
     released = freed >= RELEASE_SHARE * expected
     text = (f"sleep freed {freed / GIB:.1f} GiB of the {budget / GIB:.1f} GiB it held "
@@ -251,6 +266,35 @@ def host_limit(setting_gib: float, meminfo: Path = Path("/proc/meminfo")) -> int
     except (OSError, ValueError, IndexError):
         pass
     return 0
+
+
+def choose_frees(needs: Mapping[str, Need], capacity: int | None, card: int | None, setting: str,
+                 vendor: str) -> tuple[str, str]:
+    """What the sleeping engines free, and why: `kv` (the KV cache only) where the weights of all
+    the profiles that sleep stay on the card together beside the largest budget; `all` (vLLM's
+    level 1) otherwise. `auto` keeps weights only on CUDA (measured there; ROCm is not) and only
+    when every sleeping profile's weight size is known."""
+    sleepers = [n for n in needs.values() if n.mode == SLEEP]
+    if setting == ALL or not sleepers:
+        return ALL, "ROUTER_SLEEP_FREES=all" if setting == ALL else "no profile sleeps"
+    if setting == KV:
+        return KV, "ROUTER_SLEEP_FREES=kv"
+    if vendor != "nvidia":
+        return ALL, f"ROUTER_SLEEP_FREES=auto: weights stay on the card on CUDA only (GPU_VENDOR={vendor})"
+    if capacity is None or card is None:
+        return ALL, "ROUTER_SLEEP_FREES=auto: no reading of the card"
+    unknown = [n.id for n in sleepers if not n.host]
+    if unknown:
+        return ALL, f"ROUTER_SLEEP_FREES=auto: the weight size of {', '.join(unknown)} is unknown"
+    weights = {n.id: n.host // max(1, n.gpus) + DEFAULT_RESIDUE for n in sleepers}
+    for need in needs.values():
+        beside = sum(w for i, w in weights.items() if i != need.id)
+        if int(card * need.util) + beside > capacity:
+            return ALL, (f"ROUTER_SLEEP_FREES=auto: {need.id}'s budget "
+                         f"({card * need.util / GIB:.1f} GiB) and the others' weights asleep "
+                         f"({beside / GIB:.1f} GiB) do not fit the card: weights go to host RAM")
+    return KV, (f"ROUTER_SLEEP_FREES=auto: every budget fits beside the others' weights asleep "
+                f"(at most {max(weights.values()) / GIB:.1f} GiB each): the weights stay on the card")
 
 
 def swap_mode(setting: str, engine: str, vendor: str, several: bool) -> tuple[str, str]:
@@ -298,9 +342,11 @@ def write_store(project: Project, profile: str, **fields: Any) -> None:
 
 
 def apply_store(need: Need, stored: Mapping[str, Any]) -> Need:
-    """A need with what the store says of its profile: the measured residue, or the fallback."""
+    """A need with what the store says of its profile: the measured residue (measured with the
+    same kind of sleep: one that kept the weights holds more), or the fallback."""
     residue = stored.get("residue_bytes")
-    if isinstance(residue, int) and not isinstance(residue, bool) and residue >= 0:
+    same = stored.get("frees", ALL) == need.frees
+    if isinstance(residue, int) and not isinstance(residue, bool) and residue >= 0 and same:
         need = replace(need, residue=residue, measured=True)
     fallback = stored.get("fallback")
     if need.mode == SLEEP and isinstance(fallback, str) and fallback:

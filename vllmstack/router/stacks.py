@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import shlex
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -23,7 +24,9 @@ from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner
 from vllmstack.observe.health import health_status, is_sleeping
 from vllmstack.router.catalog import Catalog, Entry
+from vllmstack.router.plan import ALL, KV
 from vllmstack.router.states import Adopted, Loaded, Slept
+from vllmstack.runtime.engine_env import engine_env_words
 from vllmstack.runtime.gpu import GpuMemory, GpuProbe, NoGpuProbe, probe_for, total_used
 from vllmstack.serve import lifecycle
 from vllmstack.serve.stack import Stack
@@ -39,6 +42,10 @@ SLEEP_FLAG = "--enable-sleep-mode"
 DEV_MODE = "VLLM_SERVER_DEV_MODE=1"  # what exposes /sleep and /wake_up (loopback only)
 # A first sleep pins host buffers for the weights: 41 s for a 27B on an H200.
 SLEEP_TIMEOUT_S = 600.0
+# The engine plugin behind ROUTER_SLEEP_FREES=kv (a sys.path entry: the package and its
+# .dist-info, whose entry point vLLM loads in every process it starts).
+PLUGIN_DIR = "engine-plugins"
+FREES_ENV = "VLLMSTACK_SLEEP_FREES"
 
 
 class LineLog(io.TextIOBase):
@@ -105,8 +112,12 @@ class StackLifecycle:
         finally:
             out.close()
 
-    def load(self, entry: Entry, util: float | None = None, sleep_mode: bool = False) -> Loaded:
-        with self.stack(entry, with_start_options(entry.resolved, util, sleep_mode)) as stack:
+    def load(self, entry: Entry, util: float | None = None, sleep_mode: bool = False,
+             frees: str = ALL) -> Loaded:
+        resolved = with_start_options(entry.resolved, util, sleep_mode,
+                                      plugins=self.project.root / PLUGIN_DIR if frees == KV else None,
+                                      inherited=self.environ.get("PYTHONPATH", ""))
+        with self.stack(entry, resolved) as stack:
             try:
                 result = lifecycle.up(stack, dashboard=False)
             except StackError as exc:
@@ -196,11 +207,15 @@ class StackLifecycle:
         return found
 
 
-def with_start_options(resolved: Resolved, util: float | None, sleep_mode: bool) -> Resolved:
+def with_start_options(resolved: Resolved, util: float | None, sleep_mode: bool, *,
+                       plugins: Path | None = None, inherited: str = "") -> Resolved:
     """The profile as the router starts it: at the share of the card its plan leaves
     (VLLM_GPU_MEM_UTIL), and in sleep mode with vLLM's --enable-sleep-mode and
     VLLM_SERVER_DEV_MODE=1 (its /sleep and /wake_up; the engine listens on loopback only, see
-    catalog). As --set overrides: state.json records them, so `status` resolves the same."""
+    catalog); with `plugins` (ROUTER_SLEEP_FREES=kv) its sleep frees only the KV cache: the
+    plugin folder goes first on the engine's PYTHONPATH (before the profile's own, or the
+    caller's, `inherited`, which it would otherwise replace) and VLLMSTACK_SLEEP_FREES=kv turns it
+    on. As --set overrides: state.json records them, so `status` resolves the same."""
     values = dict(resolved.values)
 
     def put(key: str, value: str) -> None:
@@ -213,8 +228,14 @@ def with_start_options(resolved: Resolved, util: float | None, sleep_mode: bool)
         if SLEEP_FLAG not in extra.split():
             put("VLLM_EXTRA_ARGS", f"{extra} {SLEEP_FLAG}".strip())
         env = resolved.get_str("ENGINE_ENV")
-        if DEV_MODE not in env.split():
-            put("ENGINE_ENV", f"{env} {DEV_MODE}".strip())
+        words = [] if DEV_MODE in env.split() else [DEV_MODE]
+        if plugins is not None:
+            given = engine_env_words(env)[0]
+            paths = [str(plugins), *(p for p in (given.get("PYTHONPATH") or inherited).split(":")
+                                     if p and p != str(plugins))]
+            words += [f"{FREES_ENV}=kv", shlex.quote("PYTHONPATH=" + ":".join(paths))]
+        if words:
+            put("ENGINE_ENV", " ".join([env, *words]).strip())
     return dataclasses.replace(resolved, values=values)
 
 

@@ -60,10 +60,12 @@ class Lifecycle(Protocol):
     """How the manager loads and unloads (serve.lifecycle for real; a fake in unit tests).
     Every method blocks and is called from a worker thread."""
 
-    def load(self, entry: Entry, util: float | None = None, sleep_mode: bool = False) -> Loaded:
+    def load(self, entry: Entry, util: float | None = None, sleep_mode: bool = False,
+             frees: str = "all") -> Loaded:
         """Start the engine (as `invoke up`); once healthy and warm. StackError on failure.
         `util`: its gpu_memory_utilization (None: the profile's); `sleep_mode`: start it able
-        to sleep (vLLM's --enable-sleep-mode and its dev-mode endpoints, on loopback only)."""
+        to sleep (vLLM's --enable-sleep-mode and its dev-mode endpoints, on loopback only);
+        `frees`: what its sleeps free ("kv": the KV cache only, the weights stay; "all")."""
 
     def unload(self, entry: Entry) -> None:
         """Stop it (as `invoke down`), returning once its memory is released."""

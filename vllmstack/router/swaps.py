@@ -118,7 +118,8 @@ async def bring_up(pool: Pool, member: Member, arrangement: Arrangement, swap: S
                  + (f", gpu_memory_utilization {util:g}" if util is not None else "") + ")")
         began = pool.clock()
         try:
-            loaded = await asyncio.to_thread(pool.lifecycle.load, entry, util, member.sleeps)
+            loaded = await asyncio.to_thread(pool.lifecycle.load, entry, util, member.sleeps,
+                                             pool.plan.needs[member.id].frees)
         except BaseException:
             member.started = False  # `up` stops an engine that failed to boot
             raise
@@ -211,7 +212,8 @@ async def sleep(pool: Pool, member: Member, *, stop_unreleased: bool) -> bool:
         member.residue = verdict.residue
         pool.plan.needs[member.id] = replace(pool.plan.needs[member.id], residue=verdict.residue,
                                              measured=True)
-        pool.remember(entry.profile, {"residue_bytes": verdict.residue, "util": member.util})
+        pool.remember(entry.profile, {"residue_bytes": verdict.residue, "util": member.util,
+                                      "frees": pool.plan.needs[member.id].frees})
     first = not member.primed
     member.primed = True
     pool.set_state(member, ASLEEP)

@@ -92,7 +92,8 @@ def snapshot(pool: Pool) -> dict[str, Any]:
                               if member.asleep else 0) / GIB, 2) if budget is not None else None,
             "budget_gib": round(budget / GIB, 2) if budget is not None else None,
             "residue_gib": round(need.residue / GIB, 2), "residue_measured": need.measured,
-            "host_gib": round((need.host if member.asleep else 0) / GIB, 2),
+            "host_gib": round((need.backup if member.asleep else 0) / GIB, 2),
+            "sleep_frees": need.frees if member.mode == "sleep" else None,
             "weights_gib": round(need.host / GIB, 2),
             "idle_s": round(now - member.last_used, 1) if member.started else None,
         }
