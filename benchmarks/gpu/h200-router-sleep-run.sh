@@ -7,7 +7,8 @@
 #   source .gpu/p3/tools/device.sh setup && bash benchmarks/gpu/h200-router-sleep-run.sh sleep
 #   source .gpu/p3/tools/device.sh setup && bash benchmarks/gpu/h200-router-sleep-run.sh restart
 #   source .gpu/p3/tools/device.sh setup && bash benchmarks/gpu/h200-router-sleep-run.sh hybrid
-#   (2026-12-02: kv and hybrid-kv, the same runs with ROUTER_SLEEP_FREES=auto, which picks kv)
+#   (2026-12-02: kv and hybrid-kv, the same runs with ROUTER_SLEEP_FREES=auto, which picks kv;
+#   CYCLES=200 ... kv: 200 alternating requests instead of 12)
 # sleep:   the router (--swap sleep) over the 0.6B and the 8B geometry at gpu_memory_utilization
 #          0.6 each (they do not fit together, so every swap sleeps one and wakes the other);
 #          both loaded through /v1/load (each pays its first sleep there), then 12 alternating
@@ -101,7 +102,7 @@ E
 cp .env "$O/dotenv.txt"; cp env/models/h200-*.env "$O/"
 rm -f generated/router/memory.json  # each mode measures its residues afresh
 case $MODE in
-sleep|kv) PROFILES=h200-small,h200-8b; SWAP=sleep;   ARGS="--models small,big --cycles 12 --load"; LIMIT=560 ;;
+sleep|kv) PROFILES=h200-small,h200-8b; SWAP=sleep;   ARGS="--models small,big --cycles ${CYCLES:-12} --load"; LIMIT=560 ;;
 restart) PROFILES=h200-small,h200-8b; SWAP=restart; ARGS="--models small,big,small --cycles 3"; LIMIT=560 ;;
 hybrid|hybrid-kv) PROFILES=h200-27b,h200-small; SWAP=sleep;  ARGS="--models hybrid,small --cycles 6 --load"; LIMIT=560 ;;
 *) echo "usage: $0 sleep|restart|hybrid|kv|hybrid-kv"; exit 2 ;;
