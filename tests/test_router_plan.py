@@ -188,6 +188,10 @@ def test_check_warns_when_sleep_is_forced_where_vllm_does_not_sleep(project: Pro
     assert findings("ROUTER_SWAP=sleep", "GPU_VENDOR=nvidia") == []
     assert findings("ROUTER_SWAP=sleep", "GPU_VENDOR=nvidia", "RUNTIME=compose") == [
         "sleep-one-engine"]
+    # Weights kept on the card asleep: measured on CUDA, a warning elsewhere.
+    assert findings("ROUTER_SLEEP_FREES=kv", "GPU_VENDOR=amd") == ["sleep-kv-unmeasured"]
+    assert findings("ROUTER_SLEEP_FREES=kv", "GPU_VENDOR=nvidia") == []
+    assert findings("ROUTER_SLEEP_FREES=auto", "GPU_VENDOR=amd") == []
 
 
 # --- the pool over a fake card --------------------------------------------------------------

@@ -1,6 +1,7 @@
-"""The router's swap setting (ROUTER_SWAP): `sleep` forced where vLLM does not sleep is a
-warning, never an error (the router then starts engines vLLM may refuse, or a Compose router
-refuses to start)."""
+"""The router's swap settings (ROUTER_SWAP, ROUTER_SLEEP_FREES): `sleep` forced where vLLM does
+not sleep, and `kv` sleeps forced where they were not measured, are warnings, never errors (the
+router then starts engines vLLM may refuse, or a Compose router refuses to start; a sleep that
+does not release falls back to restart)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,19 @@ SLEEP_VENDORS = ("nvidia", "amd")
 
 
 def rule_router_swap(ctx: CheckContext) -> list[Finding]:
-    if not ctx.usable("ROUTER_SWAP") or ctx.get("ROUTER_SWAP") != "sleep":
-        return []
     out: list[Finding] = []
     vendor = ctx.resolved.get_str("GPU_VENDOR")
+    if ctx.usable("ROUTER_SLEEP_FREES") and ctx.get("ROUTER_SLEEP_FREES") == "kv" \
+            and vendor != "nvidia":
+        out.append(ctx.finding(
+            "warning", "sleep-kv-unmeasured", "ROUTER_SLEEP_FREES",
+            f"ROUTER_SLEEP_FREES=kv with GPU_VENDOR={vendor}: a sleep that keeps the weights on "
+            "the card was measured on CUDA only; where it does not release the KV cache the "
+            "router's check after the sleep sends the profile back to restart",
+            fix="ROUTER_SLEEP_FREES=auto (kv on CUDA where the weights fit, else vLLM's own "
+                "level 1)"))
+    if not ctx.usable("ROUTER_SWAP") or ctx.get("ROUTER_SWAP") != "sleep":
+        return out
     if vendor not in SLEEP_VENDORS:
         out.append(ctx.finding(
             "warning", "sleep-unsupported", "ROUTER_SWAP",
