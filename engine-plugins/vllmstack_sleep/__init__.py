@@ -6,8 +6,8 @@ back: for an 8B that is 15 GiB each way, about 0.35 s on an H200, on every swap.
 holds the weights of the router's engines side by side, nothing needs to move: this backend
 releases only the allocations tagged `kv_cache` (the KV cache, and a hybrid model's state, which
 vLLM allocates with it) and keeps everything else mapped. A wake maps them again at the same
-addresses (CUDA graphs stay valid) and vLLM's own wake path resets them, exactly as after its
-level-1 wake, which discards the same allocations.
+addresses (CUDA graphs stay valid), and vLLM's own wake path then does what it does after its
+level-1 wake, which discards the same allocations (the prefix cache was cleared by the sleep).
 
 Active only where the engine's environment says VLLMSTACK_SLEEP_FREES=kv: it then stands in for
 vLLM's default backend (`cumem`), since vLLM 0.27-0.32 have no flag to pick another. Level 2 is
@@ -67,7 +67,6 @@ def _backend_class() -> type:
             map_released(get_mem_allocator_instance(), tags)
             self._state = "RUNNING"
 
-    KeepWeightsBackend.__name__ = KeepWeightsBackend.__qualname__ = "KeepWeightsBackend"
     return KeepWeightsBackend
 
 
