@@ -19,7 +19,6 @@ from vllmstack.config.modelinfo import load_model_facts
 from vllmstack.core.paths import Project
 from vllmstack.router.catalog import Catalog
 from vllmstack.router.plan import (
-    DEFAULT_RESIDUE,
     GIB,
     KV,
     LRU,
@@ -65,9 +64,7 @@ def build_plan(project: Project, catalog: Catalog, environ: Mapping[str, str], *
                                     or "auto", first.get_str("GPU_VENDOR"))
     for id_, need in needs.items():
         if need.mode == SLEEP and frees == KV:
-            # Until its first sleep is measured: its weights stay, beside what any sleep keeps.
-            need = replace(need, frees=KV,
-                           residue=need.host // max(1, need.gpus) + DEFAULT_RESIDUE)
+            need = replace(need, frees=KV, residue=need.kept_asleep)  # until measured
         needs[id_] = apply_store(need, store.get(need.profile, {}))
     plan = Plan(needs, card, baseline,
                 host_limit(first.get_float("ROUTER_HOST_RAM_GIB"), meminfo),

@@ -21,8 +21,8 @@ together. Without a card reading (CPU, or Compose: one engine per checkout) the 
 exclusive: one engine awake at a time.
 
 `choose_frees` decides what sleeps free (ROUTER_SLEEP_FREES): `auto` keeps the weights on the card
-where the weights of every sleeping profile fit beside the largest budget (on CUDA, where it was
-measured), and frees them otherwise.
+where every profile's budget fits beside the weights of all the other sleeping profiles (on CUDA,
+where it was measured), and frees them otherwise.
 
 `judge_sleep` reads a sleep's before/after GPU memory: a sleep that did not release the memory
 (ROCm before vLLM's 2026 sleep fixes) sends that profile back to restart, and the store keeps why.
@@ -72,6 +72,12 @@ class Need:
     residue: int = DEFAULT_RESIDUE  # bytes per card while asleep
     measured: bool = False  # the residue was measured on this host
     frees: str = ALL  # what its sleep frees: ALL (weights to host RAM) or KV (weights stay)
+
+    @property
+    def kept_asleep(self) -> int:
+        """Bytes per card a sleep that frees only the KV cache leaves, until measured: its
+        weights, beside what any sleep keeps."""
+        return self.host // max(1, self.gpus) + DEFAULT_RESIDUE
 
     @property
     def backup(self) -> int:
@@ -270,8 +276,8 @@ def host_limit(setting_gib: float, meminfo: Path = Path("/proc/meminfo")) -> int
 
 def choose_frees(needs: Mapping[str, Need], capacity: int | None, card: int | None, setting: str,
                  vendor: str) -> tuple[str, str]:
-    """What the sleeping engines free, and why: `kv` (the KV cache only) where the weights of all
-    the profiles that sleep stay on the card together beside the largest budget; `all` (vLLM's
+    """What the sleeping engines free, and why: `kv` (the KV cache only) where every profile's
+    budget fits on the card beside the weights of all the other sleeping profiles; `all` (vLLM's
     level 1) otherwise. `auto` keeps weights only on CUDA (measured there; ROCm is not) and only
     when every sleeping profile's weight size is known."""
     sleepers = [n for n in needs.values() if n.mode == SLEEP]
@@ -286,7 +292,7 @@ def choose_frees(needs: Mapping[str, Need], capacity: int | None, card: int | No
     unknown = [n.id for n in sleepers if not n.host]
     if unknown:
         return ALL, f"ROUTER_SLEEP_FREES=auto: the weight size of {', '.join(unknown)} is unknown"
-    weights = {n.id: n.host // max(1, n.gpus) + DEFAULT_RESIDUE for n in sleepers}
+    weights = {n.id: n.kept_asleep for n in sleepers}
     for need in needs.values():
         beside = sum(w for i, w in weights.items() if i != need.id)
         if int(card * need.util) + beside > capacity:
