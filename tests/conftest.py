@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -12,7 +12,9 @@ from helpers import ROOT as ROOT
 from helpers import copy_project as copy_project
 from helpers import write_dotenv as write_dotenv
 
+from vllmstack.core.cpu import cpu_flags, describe_isa
 from vllmstack.core.paths import Project
+from vllmstack.image.cpu import cpu_build_runs, fp8_kv_serves
 
 SHARED = ROOT.parent / "shared"
 
@@ -29,6 +31,33 @@ def need(condition: bool, why: str) -> None:
     if full_run():
         pytest.fail(f"{why} (the full test run provisions it: scripts/test-env.sh)")
     pytest.skip(why)
+
+
+# CPU features no install can provide, by what needs them: a test that needs one is skipped on a
+# host without it, in a full run too (need() fails there, since it names what test-env provisions).
+# Hosts of CI's kind differ: some have AVX-512 and AMX, some only AVX2.
+CPU_FEATURES: dict[str, tuple[str, Callable[[set[str], str | None], bool]]] = {
+    "fp8 KV on vLLM's CPU build": ("AVX-512 or AMX (avx512f, avx512vl, avx512bw, avx512dq; or amx_tile)",
+                                   fp8_kv_serves),
+    "vLLM's CPU build": ("AVX2 (avx2, fma)", cpu_build_runs),
+}
+
+
+def cpu_missing(feature: str, *, flags: set[str] | None = None, machine: str | None = None) -> str | None:
+    """Why this CPU cannot run `feature` (a CPU_FEATURES key), or None where it can."""
+    needs, runs = CPU_FEATURES[feature]
+    flags = cpu_flags() if flags is None else flags
+    if runs(flags, machine):
+        return None
+    return (f"{feature} needs {needs}; this CPU has {describe_isa(flags)} "
+            "(a CPU feature: no install provides it)")
+
+
+def need_cpu(feature: str) -> None:
+    """Skip, naming the feature, where this host's CPU cannot run `feature`."""
+    reason = cpu_missing(feature)
+    if reason:
+        pytest.skip(reason)
 
 
 # Client state that Docker's CLI (~/.docker/.buildNodeID, written by BuildKit builds) and Chromium

@@ -271,7 +271,7 @@ def test_a_cpu_engine_without_avx512_or_amx_is_refused_before_booting() -> None:
     with pytest.raises(kv.CalibrationError, match=r"cpu_attn\.py") as err:
         gate.check_fp8_kv_engine("0.32.0+cpu", {"sse4_2", "avx2"})
     assert "GPU" in (err.value.fix or "")
-    gate.check_fp8_kv_engine("0.32.0+cpu", {"avx2", "avx512f"})
+    gate.check_fp8_kv_engine("0.32.0+cpu", {"avx2", "fma", "avx512f", "avx512vl", "avx512bw", "avx512dq"})
     gate.check_fp8_kv_engine("0.32.0+cpu", {"amx_tile"})
     gate.check_fp8_kv_engine("0.27.1", {"avx2"})  # a GPU engine: the CPU's flags do not matter
     cpuinfo = Path(__file__).parent / "data" / "nonexistent-cpuinfo"

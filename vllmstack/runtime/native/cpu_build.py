@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from vllmstack.config.profiles import Resolved
+from vllmstack.core.cpu import cpu_flags, describe_isa, signal_name
 from vllmstack.core.errors import StackError
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner
@@ -25,7 +26,11 @@ from vllmstack.image.cpu import (
     CPU_PACKAGE,
     CPU_SKIPPED,
     INPUTS,
+    KERNEL_NEEDS,
+    KERNELS_SCRIPT,
     REQUIREMENTS_SCRIPT,
+    cpu_build_runs,
+    kernel_library,
     public_version,
     torch_pin_in_sdist,
 )
@@ -142,20 +147,44 @@ def install_cpu_build(runner: Runner, folder: Path, version: str, python: tuple[
     check_cpu_engine(runner, folder, pip_env, "start over: invoke install-engine --platform cpu --force")
 
 
-def check_cpu_engine(runner: Runner, folder: Path, pip_env: Mapping[str, str], fix: str) -> None:
-    """vLLM in `folder` loads its CPU kernels (vllm._C) and detects the CPU platform. vLLM only
-    warns at import when the kernels do not load, and its worker then dies of it (e.g.
-    "libnuma.so.1: cannot open shared object file"): this fails the install instead of the boot."""
-    probe = runner.run([str(folder / "bin" / "python"), "-c", "import vllm._C; from vllm.platforms "
-                        "import current_platform as p; print(p.device_type)"],
+def check_cpu_engine(runner: Runner, folder: Path, pip_env: Mapping[str, str], fix: str,
+                     flags: set[str] | None = None) -> None:
+    """vLLM in `folder` loads its CPU kernels as its own platform does at start-up (the library
+    built for this CPU: KERNEL_NEEDS) and detects the CPU platform. vLLM only warns at import when
+    the kernels do not load, and its worker then dies of it (e.g. "libnuma.so.1: cannot open
+    shared object file"): this fails the install instead of the boot. A probe killed by a signal
+    (SIGILL: a library built for instructions this CPU lacks) is named with the CPU's flags."""
+    flags = cpu_flags() if flags is None else flags
+    expected = kernel_library(flags)
+    probe = runner.run([str(folder / "bin" / "python"), "-c", KERNELS_SCRIPT],
                        mutates=False, timeout=300, env=pip_env)
-    detected = probe.stdout.strip().splitlines()[-1:] if probe.ok else []
-    if detected != ["cpu"]:
-        said = (probe.stderr or probe.stdout).strip()
+    said = (probe.stderr or probe.stdout).strip()
+    killed = signal_name(probe.returncode) if not probe.ok else None
+    if killed:
+        raise CpuBuildError(
+            f"vLLM in {folder} was killed by {killed} while loading its CPU kernels (exit "
+            f"{probe.returncode}); this CPU has {describe_isa(flags)}, so vLLM loads {expected}, "
+            f"built for {KERNEL_NEEDS[expected]}" + ("" if cpu_build_runs(flags) else
+            "; no library of vLLM's CPU build runs on a CPU without AVX2"),
+            "run the engine on a CPU with AVX2 at least (grep -o 'avx2' /proc/cpuinfo); "
+            if not cpu_build_runs(flags) else "report it with this line: vLLM's loader picked a "
+            f"library this CPU cannot execute; then {fix}")
+    try:
+        loaded = json.loads(probe.stdout.strip().splitlines()[-1]) if probe.ok else {}
+    except (ValueError, IndexError):
+        loaded = {}
+    if not isinstance(loaded, dict) or loaded.get("device") != "cpu":
         raise CpuBuildError(
             f"vLLM in {folder} does not load on the CPU ({said[-500:] or 'no output'})",
             ("install the system library it names (Debian/Ubuntu: apt install libnuma1), then "
              if "cannot open shared object file" in said else "") + fix)
+    libraries = loaded.get("libraries") or []
+    if flags and isinstance(libraries, list) and libraries and expected not in libraries:
+        raise CpuBuildError(
+            f"vLLM in {folder} loaded {', '.join(map(str, libraries))}, not {expected}, the library "
+            f"for this CPU ({describe_isa(flags)}: {KERNEL_NEEDS[expected]})",
+            f"vLLM's loader changed: read CpuPlatform.import_kernels in vllm/platforms/cpu.py and "
+            f"update KERNEL_NEEDS in vllmstack/image/cpu.py; then {fix}")
 
 
 # --- a wheel of the source build (`invoke build --platform cpu`) ---------------------------------
