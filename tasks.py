@@ -66,11 +66,11 @@ def config(c: Context, model: Opt = None, platform: Opt = None, set: Sets = None
 
 # --- development ------------------------------------------------------------------
 
-@stack_task(help={"quick": "unit tests only: no Docker engine, no browser, no real vLLM parser",
-                  "k": "pytest -k expression",
+@stack_task(help={"quick": "the unit tier only (two xdist workers): no Docker engine, no browser, "
+                  "no real engine", "k": "pytest -k expression (both tiers)",
                   "slow": "also the tests too long for CI: vLLM's CPU source build (an hour on 2 cores)"})
 def test(c: Context, quick: bool = False, k: str | None = None, slow: bool = False) -> None:
-    """Run every check: ruff, mypy, pytest. Brings up what the tests need when it is missing."""
+    """Provision, ruff, mypy, lint-imports, pytest (unit tier on 2 workers, then integration), timed."""
     from vllmstack.devtools.testsuite import run_test_suite
 
     exit_with(run_test_suite(_project(), _runner(False), quick=quick, keyword=k, slow=slow))
@@ -187,10 +187,11 @@ def exec_(c: Context, runtime: Opt = None) -> None:
     exit_with(_lifecycle().exec_in_engine(stack, command, tty=sys.stdin.isatty()))
 
 
-@stack_task(help={"runtime": LIFECYCLE_HELP["runtime"], "dry_run": LIFECYCLE_HELP["dry_run"]})
-def clear_caches(c: Context, runtime: Opt = None, dry_run: bool = False) -> None:
+@stack_task(help={"runtime": LIFECYCLE_HELP["runtime"], "dry_run": LIFECYCLE_HELP["dry_run"],
+                  "store": "also empty the build store the machine's checkouts share (README)"})
+def clear_caches(c: Context, runtime: Opt = None, dry_run: bool = False, store: bool = False) -> None:
     """Delete the engine's compile caches (vLLM, Triton, Inductor, AITER) and temp files; keeps models."""
-    _lifecycle().clear_caches(_stack(None, None, None, runtime, dry_run), dry_run=dry_run)
+    _lifecycle().clear_caches(_stack(None, None, None, runtime, dry_run), dry_run=dry_run, store=store)
 
 
 @stack_task(iterable=["set"], help={**PROFILE_HELP, "runtime": LIFECYCLE_HELP["runtime"]})

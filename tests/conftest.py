@@ -14,6 +14,7 @@ from helpers import write_dotenv as write_dotenv
 
 from vllmstack.core.cpu import cpu_flags, describe_isa
 from vllmstack.core.paths import Project
+from vllmstack.core.store import OFF, STORE_VAR, link_entry, store_root
 from vllmstack.image.cpu import cpu_build_runs, fp8_kv_serves
 
 SHARED = ROOT.parent / "shared"
@@ -58,6 +59,51 @@ def need_cpu(feature: str) -> None:
     reason = cpu_missing(feature)
     if reason:
         pytest.skip(reason)
+
+
+# The build store (vllmstack/core/store.py): the integration tier (tests marked slow, docker,
+# browser or real_engine) shares the machine's, so what they provision (the CPU engine, the parser
+# environment, llama-server, the trained model) is built once per machine, whatever HOME a test
+# gives its subprocesses. The unit tier runs with the store off unless a test names its own: a fake
+# runner's "install" must never become an entry of the machine's store.
+INTEGRATION_MARKERS = ("slow", "docker", "browser", "real_engine", "source_build")
+
+
+def machine_store() -> str:
+    """The store of whoever runs the tests (their VLLMSTACK_STORE or HOME's), or `off`."""
+    saved = os.environ.get("VLLMSTACK_TEST_MACHINE_STORE")
+    if saved:
+        return saved
+    root = store_root(os.environ)
+    os.environ["VLLMSTACK_TEST_MACHINE_STORE"] = str(root) if root is not None else OFF
+    return os.environ["VLLMSTACK_TEST_MACHINE_STORE"]
+
+
+def machine_environ() -> dict[str, str]:
+    """os.environ with the machine's store, for provisioning that must outlive the run."""
+    return {**os.environ, STORE_VAR: machine_store()}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def engine_compile_cache_in_the_store() -> None:
+    """The real-engine tests' HOST_CACHE_DIR, .cache/real-engine-tests (vLLM's and Inductor's
+    compile caches: a boot without them takes a minute longer), lives in the machine's store and
+    the checkout links to it, so a fresh clone boots as fast as the last run. A link, not the
+    store's own path: the engine's ZeroMQ sockets go under that folder, and a socket path has at
+    most 107 bytes. A real folder there (an earlier run's) is kept."""
+    store = machine_store()
+    link = ROOT / ".cache" / "real-engine-tests"
+    if store == OFF or (link.exists() and not link.is_symlink()):
+        return
+    shared = Path(store) / "compile-cache" / "real-engine-tests"
+    shared.mkdir(parents=True, exist_ok=True)
+    link_entry(link, shared)
+
+
+@pytest.fixture(autouse=True)
+def build_store_of_the_tier(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    integration = any(request.node.get_closest_marker(m) for m in INTEGRATION_MARKERS)
+    monkeypatch.setenv(STORE_VAR, machine_store() if integration else OFF)
 
 
 # Client state that Docker's CLI (~/.docker/.buildNodeID, written by BuildKit builds) and Chromium
@@ -131,7 +177,7 @@ def llamacpp_cpu_server() -> Path:
 
     out = io.StringIO()
     folder = install_llamacpp(Project(ROOT), SubprocessRunner(), ref="9993", backend="cpu",
-                              environ=os.environ, out=out, stream=False)
+                              environ=machine_environ(), out=out, stream=False)
     print(out.getvalue(), file=sys.stderr)
     return Path(os.environ.get("VLLMSTACK_LLAMA_SERVER") or folder / "bin" / "llama-server")
 
@@ -151,7 +197,8 @@ def converter_python() -> str:
         if gc.missing_modules(runner, candidate, os.environ) == []:
             return candidate
     result = subprocess.run([sys.executable, "-m", "invoke", "install-engine", "--platform", "cpu"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=1500, check=False)
+                            cwd=ROOT, capture_output=True, text=True, timeout=1500, check=False,
+                            env=machine_environ())
     need(result.returncode == 0, "a Python with torch for llama.cpp's converter (invoke "
          "install-engine --platform cpu failed: " + (result.stderr.strip()[-300:] or "?") + ")")
     return gc.pick_python(project, runner, None, os.environ)

@@ -13,6 +13,7 @@ extras (bench_cli imports the package when called).
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import io
 import json
@@ -22,7 +23,8 @@ import shutil
 import socket
 import subprocess
 import sys
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,32 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+# --- waiting for something to happen ------------------------------------------------------------
+# A test that waits for a process to start, a file to appear or a state to change looks at that
+# condition until it holds: a fixed sleep is too long on a quiet machine and too short on a loaded
+# one (CI's 2 cores), and passes on without noticing when the thing never happened.
+
+
+def wait_for(condition: Callable[[], object], timeout: float = 10.0, interval: float = 0.01,
+             what: str = "") -> None:
+    """Return once `condition()` is true; AssertionError when it is still false after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:g} s: {what or 'the condition'}")
+        time.sleep(interval)
+
+
+async def until(condition: Callable[[], object], timeout: float = 10.0, interval: float = 0.01,
+                what: str = "") -> None:
+    """wait_for inside an event loop: it sleeps with asyncio, so the loop's tasks run meanwhile."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:g} s: {what or 'the condition'}")
+        await asyncio.sleep(interval)
 
 
 # --- Docker -------------------------------------------------------------------------------------

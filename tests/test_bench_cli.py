@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import wait_for
+from simulator.client import call
 from simulator.fixture import SimProcess, run_simulator
 
 from vllmstack.bench.cli import main
@@ -123,7 +125,8 @@ def test_sigterm_stops_cleanly_and_appends_nothing(sim: SimProcess, tokenizer_fi
     for line in proc.stdout:
         if "concurrency ladder" in line or time.monotonic() > deadline:
             break
-    time.sleep(1.0)  # streams are open now
+    wait_for(lambda: call(sim.url, "/load").json()["server_load"] >= 1, timeout=30,
+             what="the ladder's streams open on the simulator")
     started = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     rest, _ = proc.communicate(timeout=15)

@@ -25,14 +25,16 @@ from invoke.tasks import Task
 
 from vllmstack.bench import options as bench_options
 from vllmstack.bench.cli import build_parser
-from vllmstack.cli.values import MAX_SECONDS, MAX_TEXT, declared
+from vllmstack.cli.values import MAX_SECONDS, MAX_TEXT, declared, shown
 from vllmstack.config.envfiles import NAME_MAX
 
 EDGE_VALUES = ["-1", "nan", "inf", "-inf", "1e309", "70000", "0", "x" * 300, "", "٣", "1_000",
                "1e-300", "a\x00b"]
-# The first positional value of the tasks that need one, so their options can be parsed at all.
+# The first positional value of the tasks that need one, so their options can be parsed at all:
+# a value the task takes, or every case of its options is refused for the positional instead
+# (issue 33: a placeholder KIND 'x' refused all of tune's; test_every_placeholder_is_taken).
 POSITIONAL = {"probe": "itl-stall", "stability": "smoke", "import_env": "old.env",
-              "gguf_convert": "/models/tiny"}
+              "gguf_convert": "/models/tiny", "tune": "moe"}
 BENCH_TASKS = {cmd.task: cmd for cmd in bench_options.COMMANDS}
 # Options whose value is a profile or layer name (the bench tasks' --model is a served name).
 NAMES = {"model", "platform", "name", "extends"}
@@ -51,7 +53,7 @@ def parse(task_name: str, argv: list[str], positional: bool = False) -> dict[str
     task = TASKS[task_name]
     context = ParserContext(name=task.name, aliases=task.aliases, args=task.get_arguments())
     needs = any(a.positional for a in task.get_arguments())
-    first = [POSITIONAL.get(task_name, "x")] if needs and not positional else []
+    first = [POSITIONAL[task_name]] if needs and not positional else []
     (parsed,) = Parser(contexts=[context]).parse_argv([task.name, *first, *argv])
     return {name.replace("-", "_"): arg.value for name, arg in parsed.args.items()}
 
@@ -81,12 +83,25 @@ def test_every_option_of_every_task_declares_what_it_holds() -> None:
     assert len(TASKS) >= 30 and len(CASES) > 1000
 
 
+def test_every_placeholder_is_taken() -> None:
+    needing = {name for name, task in TASKS.items() if any(a.positional for a in task.get_arguments())}
+    assert needing == set(POSITIONAL), "give each task with a positional argument a valid one"
+    for name in sorted(needing):
+        parse(name, [])  # ParseError: the placeholder itself is refused
+
+
 def assert_refusal(message: str) -> None:
     lines = message.splitlines()
     assert len(lines) == 2, message
     assert lines[0].startswith("error: ") and lines[1].startswith("fix:"), message
     assert "Traceback" not in message and "\x00" not in message
     assert len(lines[0]) < 300  # a 300-character value is quoted cut short, not in full
+
+
+def assert_names_the_option(message: str, opt: str, positional: bool, value: str) -> None:
+    """The refusal is of the option under test and of its value, not of another argument."""
+    label = opt.replace("_", "-").upper() if positional else flag(opt)  # as CheckedArgument says
+    assert message.startswith(f"error: {label} {shown(value)} "), (opt, value, message)
 
 
 def assert_in_range(task: str, opt: str, value: Any) -> None:
@@ -129,6 +144,7 @@ def test_an_edge_value_is_refused_in_the_format_or_arrives_in_range(
         parsed = parse(task, argv, positional)
     except ParseError as exc:
         assert_refusal(str(exc))
+        assert_names_the_option(str(exc), opt, positional, value)
         return
     except SystemExit as exc:  # only the bench parser's agreement check can exit
         pytest.fail(f"{task} accepted {value!r} for {opt}, which its parser refuses ({exc})")
@@ -145,6 +161,7 @@ def test_an_edge_value_is_refused_in_the_format_or_arrives_in_range(
     ("bench", "timeout", "nan"), ("burn", "runs", "0"), ("burn", "warmup", "-1"),
     ("bench_vs", "ctx", "inf"), ("bench_vs", "concurrency", "0"), ("install_engine", "jobs", "-3"),
     ("gpu_check", "runtime", "bogus"), ("logs", "service", "x"), ("stability", "workers", "٣"),
+    ("tune", "workers", "-1"), ("tune", "budget_min", "nan"), ("tune", "tp", "65"),
 ])
 def test_a_bad_value_is_refused_before_the_task_runs(task: str, opt: str, value: str) -> None:
     with pytest.raises(ParseError) as caught:
@@ -163,6 +180,8 @@ def test_good_values_arrive_typed() -> None:
     assert parse("config", ["--set", "A=1", "--set", "B="])["set"] == ["A=1", "B="]
     assert parse("bench", ["--pp", "512", "--pp", "1024"])["pp"] == ["512", "1024"]
     assert parse("bench-conc", ["--duration", "0.5"])["duration"] == "0.5"
+    assert parse("tune", ["--workers", "0"])["workers"] == 0  # compile as it times, no pool
+    assert parse("tune", [])["workers"] is None  # left out: the plan's cores - 2
 
 
 def invoke(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import need
-from helpers import free_port
+from helpers import free_port, wait_for
 
 from vllmstack.dashboard.app import DashboardSettings, create_app
 
@@ -77,9 +77,7 @@ def stack(tmp_path: Path) -> Iterator[str]:
         load = [threading.Thread(target=traffic, args=(sim.url, stop), daemon=True)
                 for _ in range(3)]
         try:
-            deadline = time.monotonic() + 10
-            while not server.started and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_for(lambda: server.started, what="the dashboard listening")
             for t in load:
                 t.start()
             yield f"http://127.0.0.1:{port}"
@@ -189,9 +187,7 @@ def guarded(tmp_path: Path) -> Iterator[str]:
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
-        deadline = time.monotonic() + 10
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(lambda: server.started, what="the dashboard listening")
         yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True

@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import threading
-import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -15,7 +14,7 @@ from typing import Any
 
 import pytest
 from conftest import need
-from helpers import free_port
+from helpers import free_port, wait_for
 from test_dashboard_browser import CHROMIUM, CHROMIUM_ARGS
 
 from vllmstack.dashboard.app import DashboardSettings, create_app
@@ -68,10 +67,8 @@ def page_url(tmp_path: Path) -> Iterator[str]:
                                            log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
     try:
+        wait_for(lambda: server.started, what="the dashboard listening")
         yield f"http://127.0.0.1:{port}/"
     finally:
         server.should_exit = True

@@ -190,6 +190,38 @@ def test_a_second_install_is_a_no_op_and_force_builds_again(
     assert "replacing the earlier build" in install(project, FakeCmake(), force=True)[1]
 
 
+def test_with_the_build_store_a_second_clone_links_the_build_and_compiles_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from helpers import copy_project
+
+    from vllmstack.core.store import STORE_VAR, Store
+    from vllmstack.runtime.native.llamacpp_install import llamacpp_key
+
+    store = tmp_path / "store"
+    environ = {**os.environ, STORE_VAR: str(store)}
+    first, second = (Project(copy_project(tmp_path / name)) for name in ("clone1", "clone2"))
+    fake_sdist(first, monkeypatch)  # a file of the user's in .cache/sdist: it stays theirs
+    runner = FakeCmake()
+    folder, said = install(first, runner, environ=environ)
+    key = llamacpp_key(first, REF, "cpu", cmake_args("cpu", ref=REF), environ)
+    entry = Store(store).entry(key)
+    assert folder.is_symlink() and folder.resolve() == entry.path.resolve() and entry.is_complete()
+    configure, _ = runner.cmake_calls()
+    assert configure[4] == str(entry.path.with_name(key.slug + ".build"))  # beside the entry
+    assert not entry.path.with_name(key.slug + ".build").exists()  # removed once built
+    assert "kept in the build store" in said and installed_llamacpp(first, REF, "cpu") == folder
+    # What the key holds: a change to the CPU's flags or the arguments is another build.
+    assert "cpu_flags" in key.parts and key.parts["cmake_args"] == cmake_args("cpu", ref=REF)
+    other = llamacpp_key(first, REF, "cpu", [*cmake_args("cpu", ref=REF), "-DGGML_AVX512=OFF"], environ)
+    assert other.digest != key.digest
+    # A fresh clone: linked, cmake never runs.
+    again = FakeCmake()
+    linked, said = install(second, again, environ=environ)
+    assert again.cmake_calls() == [] and linked.resolve() == entry.path.resolve()
+    assert "is in the build store" in said
+    assert read_build_info(linked) == read_build_info(folder)
+
+
 def test_a_failed_configure_keeps_the_build_folder_and_names_what_to_install(
         project: Project, monkeypatch: pytest.MonkeyPatch) -> None:
     fake_sdist(project, monkeypatch)

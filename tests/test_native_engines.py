@@ -7,10 +7,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from helpers import wait_for
 
 from vllmstack.core.cpu import cpu_flags
 from vllmstack.core.paths import Project
@@ -115,7 +115,8 @@ def test_force_refuses_to_replace_the_environment_of_a_running_engine(project: P
     marker = marker_prefix(project) + "m" * 24
     engine = subprocess.Popen(["sleep", "60"], env={MARKER_VAR: marker})
     try:
-        time.sleep(0.1)
+        # Until its exec, the child shows this process's environment, without the marker.
+        wait_for(lambda: ProcTable().carries(engine.pid, marker), what="the engine's exec")
         me = ProcTable().get(engine.pid)
         assert me is not None
         record = project.generated / "native" / "engine.json"

@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
+from helpers import until
 
 from vllmstack.config.profiles import Resolved, Setting
 from vllmstack.core.errors import StackError
@@ -132,9 +133,10 @@ def test_with_no_swap_wait_requests_are_served_in_arrival_order() -> None:
         manager = EngineManager(catalog(A, B), fake, limits=Limits(swap_wait=0))
         await manager.acquire(A, 5)
         swap = asyncio.create_task(manager.acquire(B, 5))
-        await asyncio.sleep(0.05)
+        await until(lambda: manager.waiting == 1, what="b's request queued")
         fast = asyncio.create_task(manager.acquire(A, 5))  # no overtaking the queued swap
-        await asyncio.sleep(0.05)
+        # Granted at once (a is resident) if it overtook: then it never joins the queue.
+        await until(lambda: manager.waiting == 2, what="a's request queued behind b's")
         assert not fast.done() and not swap.done()
         manager.release(A)
         assert await swap == "http://127.0.0.1:1/b"
@@ -198,8 +200,9 @@ def test_idle_ttl_unloads_only_when_no_request_runs(monkeypatch: pytest.MonkeyPa
         await asyncio.sleep(0.5)  # a long request: the TTL waits for it
         assert manager.status["short"].state == "ready"
         manager.release(short)
-        await asyncio.sleep(0.5)
-        assert manager.status["short"].state == "unloaded" and manager.resident is None
+        await until(lambda: manager.status["short"].state == "unloaded" and not manager.switching(),
+                    what="the idle unload")
+        assert manager.resident is None
         assert fake.calls[-1] == ("unload", "short") and manager.swaps[-1].reason == "idle"
         await manager.acquire(never, 5)
         manager.release(never)
@@ -233,7 +236,7 @@ def test_stop_cuts_a_load_short_then_unloads() -> None:
     async def go() -> None:
         manager = EngineManager(catalog(A, B), fake)
         waiting = asyncio.create_task(manager.acquire(A, 30))
-        await asyncio.sleep(0.1)
+        await until(lambda: fake.running == "a", what="a's load under way")
         await manager.shutdown()
         assert fake.calls == [("load", "a"), ("abort", "a")]
         with pytest.raises(LoadFailedError):

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from helpers import until
 from test_router_engines import catalog, entry, run
 
 from vllmstack.checks.context import build_context
@@ -362,8 +364,8 @@ def test_requests_for_an_engine_going_to_sleep_wait_for_its_wake() -> None:
         manager, _ = sleeping_pool(card, A, B)
         await manager.acquire(A, 5)
         switch = asyncio.create_task(manager.acquire(B, 5))
-        await asyncio.sleep(0.05)
-        assert manager.victims == frozenset({"a"}) and not manager.servable(A)
+        await until(lambda: manager.victims == frozenset({"a"}), what="the switch to b under way")
+        assert not manager.servable(A)
         late = asyncio.create_task(manager.acquire(A, 5))  # queued, never sent to a sleeper
         manager.release(A)
         await switch
@@ -383,13 +385,16 @@ def test_an_idle_sleeping_engine_is_stopped_after_its_ttl(monkeypatch: pytest.Mo
 
     async def go() -> None:
         manager, _ = sleeping_pool(card, short, B)
+        began = time.monotonic()  # short's TTL clock starts after this, at the end of its load
         await manager.load(short, 5)
         await manager.load(B, 5)  # short sleeps beside b
         assert manager.members["short"].asleep
         idle = asyncio.create_task(manager.idle_loop())
-        await asyncio.sleep(0.8)
+        await until(lambda: manager.members["short"].state == "unloaded"
+                    and not manager.switching(), what="the idle sleeper stopped")
         idle.cancel()
-        assert manager.members["short"].state == "unloaded" and "short" not in card.held
+        assert time.monotonic() - began >= 0.3  # not before its TTL
+        assert "short" not in card.held
         assert manager.swaps[-1].reason == "idle" and manager.members["b"].ready
 
     run(go)
@@ -451,7 +456,8 @@ def test_a_load_a_client_waits_for_pays_its_first_sleep_once_idle(
         await asyncio.sleep(0.4)  # still streaming: nothing happens under a request
         assert card.calls == [("load", "a")]
         manager.release(A)
-        await asyncio.sleep(0.5)  # idle for PRIME_IDLE_S: the first sleep is paid now
+        # Idle for PRIME_IDLE_S: the first sleep is paid now.
+        await until(lambda: len(card.calls) == 3 and not manager.switching(), what="the prime")
         idle.cancel()
         assert card.calls == [("load", "a"), ("sleep", "a"), ("wake", "a")]
         assert manager.members["a"].primed and manager.members["a"].ready

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from helpers import until
 from test_router_engines import FakeLifecycle, catalog, entry, run
 
 from vllmstack.router.engines import EngineManager
@@ -73,7 +74,7 @@ def test_a_request_for_another_model_waits_at_most_the_bound() -> None:
             return served
 
         clients = [asyncio.create_task(busy_a()) for _ in range(3)]
-        await asyncio.sleep(0.1)
+        await until(lambda: manager.members["a"].inflight > 0, what="a busy with requests")
         began = time.monotonic()
         assert await manager.acquire(B, 30) == "http://127.0.0.1:1/b"
         waited = time.monotonic() - began
@@ -115,11 +116,10 @@ def test_an_idle_dead_engine_is_marked_failed_without_any_request() -> None:
         await manager.acquire(A, 5)
         manager.release(A)
         watch = asyncio.create_task(manager.idle_loop())
-        await asyncio.sleep(0.6)
-        assert manager.status["a"].state == "ready" and probe.calls >= 1
+        await until(lambda: probe.calls >= 1, what="the idle engine's first /health probe")
+        assert manager.status["a"].state == "ready"
         probe.alive = False
-        await asyncio.sleep(1.2)
-        assert manager.status["a"].state == "failed"
+        await until(lambda: manager.status["a"].state == "failed", what="the dead engine failed")
         assert "its /health did not answer while idle" in (manager.status["a"].error or {})["cause"]
         watch.cancel()
 
@@ -139,7 +139,7 @@ def test_a_run_of_server_errors_reloads_the_engine() -> None:
         await asyncio.sleep(0.05)
         assert manager.status["a"].state == "ready"
         manager.answered(A, 502)
-        await asyncio.sleep(0.05)
+        await until(lambda: manager.status["a"].state == "failed", what="the reload after the run")
         error = manager.status["a"].error or {}
         assert manager.status["a"].state == "failed", manager.status["a"]
         assert "3 answers of 500 or above in a row" in error["cause"]

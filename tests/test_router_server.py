@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import requests
-from helpers import free_port
+from helpers import free_port, wait_for
 
 from vllmstack.config.profiles import Resolved, Setting
 from vllmstack.core.errors import StackError
@@ -409,9 +409,13 @@ def test_engine_errors_pass_through_and_a_run_of_them_reloads(engine: FakeEngine
                               timeout=5)
         assert first.status_code == 500 and first.json()["error"]["message"] == "EngineCore died"
         requests.post(url + "/v1/completions", json={"model": "served", "fail": True}, timeout=5)
-        time.sleep(0.3)
-        state = requests.get(url + "/v1/health", timeout=5).json()["models"]["served"]
-        assert state["state"] == "failed" and "2 answers of 500 or above" in state["error"]["cause"]
+
+        def served() -> dict[str, Any]:
+            state: dict[str, Any] = requests.get(url + "/v1/health", timeout=5).json()["models"]["served"]
+            return state
+
+        wait_for(lambda: served()["state"] == "failed", what="the run of 500s failed the engine")
+        assert "2 answers of 500 or above" in served()["error"]["cause"]
 
 
 def test_a_body_over_the_limit_is_413_typed_as_the_clients(engine: FakeEngine) -> None:

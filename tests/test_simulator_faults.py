@@ -8,6 +8,7 @@ import signal
 import time
 
 import pytest
+from helpers import wait_for
 from simulator.client import call, stream
 from simulator.fixture import SimProcess, health_status, run_simulator
 
@@ -21,24 +22,15 @@ def chat_body(max_tokens: int, **extra: object) -> dict[str, object]:
             **extra}
 
 
-def wait_until(predicate: object, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():  # type: ignore[operator]
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
 # -- boot and shutdown ----------------------------------------------------------------------------
 
 def test_refuses_connections_while_loading_then_health_is_200() -> None:
     with run_simulator(env={"SIM_BOOT_SECONDS": "1.5"}, wait=False) as sim:
-        time.sleep(0.3)
+        sim.wait_for_log("Loading model from scratch")  # booting: bound, not listening yet
         assert sim.proc.poll() is None
         assert health_status(sim.url) is None  # connection refused, not an HTTP status
         started = time.monotonic()
-        wait_until(lambda: health_status(sim.url) == 200, 10, "/health 200")
+        wait_for(lambda: health_status(sim.url) == 200, timeout=10, what="/health 200")
         assert time.monotonic() - started < 3
         log = sim.wait_for_log("Application startup complete.")
     assert f"Starting vLLM server on http://127.0.0.1:{sim.port}" in log
@@ -55,7 +47,7 @@ def test_sigterm_exits_zero_within_a_second() -> None:
         threading.Thread(target=stream, args=(sim.url, "/v1/completions",
                                               {"prompt": "x", "max_tokens": 100000 // 100}),
                          daemon=True).start()
-        time.sleep(0.2)
+        wait_for(lambda: call(sim.url, "/load").json()["server_load"] >= 1, what="the stream")
         started = time.monotonic()
         sim.proc.send_signal(signal.SIGTERM)
         code = sim.wait_exit(timeout=5)
@@ -205,8 +197,8 @@ def test_keepalive_fault_sends_comments_forever_and_frees_the_slot() -> None:
         assert lines[0].startswith(b"data: ") and b'"role":"assistant"' in lines[0]
         assert lines.count(b": ping\n") >= 3
         assert not any(b"[DONE]" in line for line in lines)
-        wait_until(lambda: 'num_requests_running{engine="0",model_name="sim"} 0.0'
-                   in call(sim.url, "/metrics").body.decode(), 5, "the slot to be freed")
+        wait_for(lambda: 'num_requests_running{engine="0",model_name="sim"} 0.0'
+                 in call(sim.url, "/metrics").body.decode(), timeout=5, what="the slot to be freed")
 
 
 def test_trickle_fault_sends_a_stream_one_byte_at_a_time() -> None:

@@ -12,6 +12,7 @@ import statistics
 import threading
 import time
 
+from helpers import wait_for
 from simulator.client import call, stream
 from simulator.fixture import run_simulator
 
@@ -86,8 +87,14 @@ def test_max_num_seqs_makes_extra_requests_wait() -> None:
         threads = [threading.Thread(target=one) for _ in range(4)]
         for thread in threads:
             thread.start()
-        time.sleep(0.2)
-        metrics = call(sim.url, "/metrics").body.decode()
+        seen: list[str] = []
+
+        def two_waiting() -> bool:  # each request runs 0.4 s: none is done by then
+            seen.append(call(sim.url, "/metrics").body.decode())
+            return 'vllm:num_requests_waiting{engine="0",model_name="m"} 2.0' in seen[-1]
+
+        wait_for(two_waiting, what="two requests waiting for a slot")
+        metrics = seen[-1]
         load = call(sim.url, "/load").json()
         for thread in threads:
             thread.join()

@@ -114,3 +114,30 @@ def test_the_trainer_leaves_stdout_to_the_tasks_json(monkeypatch: pytest.MonkeyP
     assert train_runner.main([str(tmp_path), str(tmp_path / "corpus.txt"), str(tmp_path / "out.json")]) == 0
     said = capsys.readouterr()
     assert said.out == "" and json.loads(said.err)["final_ppl"] == 594.3
+
+
+def test_a_second_clone_takes_the_trained_weights_from_the_build_store(project: Project,
+                                                                       tmp_path: Path) -> None:
+    from vllmstack.core.store import STORE_VAR
+
+    store = tmp_path / "store"
+    resolved, env = settings(project, tmp_path)
+    env = {**env, STORE_VAR: str(store)}
+    first = fake_training(40.0)
+    made = trained.make_trained(project, resolved, first, env)  # type: ignore[arg-type]
+    assert made is not None and len(first.calls) == 1
+    entries = list((store / "model").glob("tiny-qwen3-trained-*[!nk]"))
+    assert len(entries) == 1 and (entries[0] / "model.safetensors").is_file()
+    # Another checkout (its own Hugging Face cache): no training, the same snapshot.
+    other = resolve(project, model="tiny", platform="cpu", overrides=[
+        f"HF_CACHE_DIR={tmp_path / 'hf2'}",
+        "NATIVE_ENGINE_COMMAND=/py/bin/python3 -m vllm.entrypoints.cli.main"])
+    second = fake_training(40.0)
+    again = trained.make_trained(project, other, second, env)
+    assert again is not None and second.calls == []
+    assert again.folder.name == made.folder.name  # the content hash: the same bytes
+    assert json.loads((again.folder / tiny.MODEL_RECORD).read_text())["trained"]["final_ppl"] == 40.0
+    # Other training inputs are another entry: a longer budget trains again.
+    third = fake_training(40.0)
+    trained.make_trained(project, other, third, env, force=True, max_minutes=30.0)
+    assert len(third.calls) == 1

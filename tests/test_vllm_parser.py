@@ -185,6 +185,34 @@ def test_env_is_created_once_from_the_pinned_list(project: Project) -> None:
     assert again.calls == []
 
 
+def test_env_in_the_build_store_is_made_once_per_machine_and_linked(tmp_path: Path) -> None:
+    from helpers import copy_project
+
+    from vllmstack.core.store import STORE_VAR
+
+    environ = {STORE_VAR: str(tmp_path / "store")}
+    first, second = (Project(copy_project(tmp_path / name)) for name in ("clone1", "clone2"))
+    runner = fresh_runner()
+    path = vp.ensure_parser_env(first, runner, VERSION, python="python3", environ=environ,
+                                progress=lambda _: None)
+    entry = vp.parser_env_dir(first, VERSION).resolve()
+    assert path.is_symlink() and entry.parent == (tmp_path / "store" / "vllm-parser").resolve()
+    assert len(runner.calls) == 3 and vp.env_is_ready(first, VERSION)
+    assert json.loads((entry / vp.ENV_MARKER).read_text())["vllm"] == VERSION
+    # Another clone: linked, nothing installed.
+    again = fresh_runner()
+    assert vp.ensure_parser_env(second, again, VERSION, python="python3", environ=environ) \
+        == vp.parser_env_dir(second, VERSION)
+    assert again.calls == [] and vp.parser_env_dir(second, VERSION).resolve() == entry
+    # A failed install (the wheel held another vLLM) leaves no entry the next clone would use.
+    with pytest.raises(vp.ParserEnvError, match=r"holds vLLM 0\.1\.0 instead of 0\.2\.0"):
+        vp.ensure_parser_env(first, fresh_runner("0.1.0"), "0.2.0", python="python3",
+                             environ=environ, progress=lambda _: None)
+    left = [p.suffix for p in (tmp_path / "store" / "vllm-parser").glob("vllm-parser-0.2.0-*")]
+    assert left == [".lock"]  # no folder, no marker: only the lock the failed build took
+    assert not vp.parser_env_dir(first, "0.2.0").exists()
+
+
 def test_env_finished_meanwhile_by_another_check_is_kept(project: Project) -> None:
     runner = fresh_runner()
     other: list[Path] = []

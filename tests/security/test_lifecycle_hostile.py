@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import ROOT, free_port, simulator_project
+from helpers import ROOT, free_port, simulator_project, wait_for
 
 from vllmstack.core.checkout import checkout_id, lock_holder, stack_lock
 from vllmstack.core.files import (
@@ -286,12 +286,15 @@ def test_a_marker_is_matched_whole_in_the_environment_or_the_command_line(
 
 def test_engines_of_another_checkout_are_not_this_checkouts_unrecorded_ones(
         project: Project, tmp_path: Path) -> None:
-    ours = subprocess.Popen(["sleep", "60"], env={MARKER_VAR: marker_prefix(project) + "1" * 24})
-    theirs = subprocess.Popen(["sleep", "60"], env={MARKER_VAR: "0badc0de-" + "2" * 24})
-    dash = subprocess.Popen(["sleep", "60"],
-                            env={MARKER_VAR: dashboard_marker_prefix(project) + "3" * 24})
+    marks = (marker_prefix(project) + "1" * 24, "0badc0de-" + "2" * 24,
+             dashboard_marker_prefix(project) + "3" * 24)
+    ours, theirs, dash = procs = [subprocess.Popen(["sleep", "60"], env={MARKER_VAR: mark})
+                                  for mark in marks]
     try:
-        time.sleep(0.1)
+        # Until its exec, a child shows this process's environment, without its marker.
+        wait_for(lambda: all(ProcTable().carries(proc.pid, mark)
+                             for proc, mark in zip(procs, marks, strict=True)),
+                 what="the three processes' exec")
         engine = NativeEngine(project, SubprocessRunner(), out=io.StringIO())
         found = {r.pid for r in engine.unrecorded()}
         assert ours.pid in found and theirs.pid not in found and dash.pid not in found
@@ -634,18 +637,12 @@ def test_up_on_a_read_only_generated_folder_says_so(checkout: Checkout, tmp_path
 # --- 5. the lifecycle's minors ----------------------------------------------------------------------
 
 
-def wait_for(check: Any, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.1)
-
-
 @pytest.mark.slow  # a boot interrupted: about 8 s
 def test_down_during_a_booting_up_stops_it_and_its_engine(checkout: Checkout) -> None:
     up = checkout.popen("up", "--model", "slow", "--no-dashboard")
     try:
-        wait_for(lambda: (checkout.generated / "native" / "engine.json").is_file())
+        wait_for(lambda: (checkout.generated / "native" / "engine.json").is_file(), timeout=30,
+                 what="the booting engine's record")
         record = checkout.record()
         started = time.monotonic()
         down = checkout.invoke("down")
@@ -664,7 +661,8 @@ def test_down_during_a_booting_up_stops_it_and_its_engine(checkout: Checkout) ->
 @pytest.mark.slow  # a boot, a kill, a second up: about 10 s
 def test_up_after_a_killed_up_waits_for_the_engine_it_left(checkout: Checkout) -> None:
     up = checkout.popen("up", "--model", "boot4", "--no-dashboard")
-    wait_for(lambda: (checkout.generated / "state.json").is_file())
+    wait_for(lambda: (checkout.generated / "state.json").is_file(), timeout=30,
+             what="the stack's state file")
     up.send_signal(signal.SIGKILL)
     up.wait(timeout=10)
     again = checkout.invoke("up", "--model", "boot4", "--no-dashboard")

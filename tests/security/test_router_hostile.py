@@ -20,7 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
-from helpers import free_port
+from helpers import free_port, wait_for
 
 from vllmstack.config.profiles import Resolved, Setting
 from vllmstack.router.catalog import Catalog, Entry
@@ -108,6 +108,11 @@ def lifecycle(engine: Engine) -> Lifecycle:
     return Lifecycle(engine.url)
 
 
+# The router's Front by its port: how many client connections it holds (its `open`), which a
+# test waits on instead of guessing how long the router takes to accept or to see a close.
+FRONTS: dict[int, Front] = {}
+
+
 @pytest.fixture(scope="module")
 def port(lifecycle: Lifecycle) -> Iterator[int]:
     resolved = Resolved("cpu", "m", {"VLLM_PORT": Setting("VLLM_PORT", "1", "test")}, [])
@@ -121,7 +126,8 @@ def port(lifecycle: Lifecycle) -> Iterator[int]:
         manager = EngineManager(catalog, lifecycle, limits=LIMITS, probe=upstream.probe)
         app = RouterApp(catalog, manager, upstream, token="", exposed_on="127.0.0.1",
                         load_timeout=10, limits=LIMITS)
-        server = await loop.create_server(Front(app.handle, LIMITS), "127.0.0.1", chosen)
+        FRONTS[chosen] = front = Front(app.handle, LIMITS)
+        server = await loop.create_server(front, "127.0.0.1", chosen)
         started.set()
         await stop
         server.close()
@@ -374,13 +380,14 @@ def test_a_malformed_request_in_a_pipeline_ends_the_connection(port: int, engine
 def test_connections_over_the_cap_get_503_and_the_cap_frees_up(port: int) -> None:
     held = [connect(port) for _ in range(LIMITS.max_connections)]
     try:
-        time.sleep(0.2)
+        wait_for(lambda: FRONTS[port].open == LIMITS.max_connections, what="all of them accepted")
         data = exchange(port, b"GET /v1/health HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n", wait=2)
         assert status(data) == 503 and "ROUTER_MAX_CONNECTIONS" in error_of(data)["message"]
     finally:
         for sock in held:
             sock.close()
-    time.sleep(0.3)
+    # Freed up: room for one more (a connection an earlier case left may still be open).
+    wait_for(lambda: FRONTS[port].open < LIMITS.max_connections, what="the router to see closes")
     alive(port)
 
 

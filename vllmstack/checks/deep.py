@@ -34,6 +34,7 @@ from vllmstack.config.vllm_args import flag_origins, flag_table
 from vllmstack.core.findings import Finding
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Result, Runner, format_command
+from vllmstack.core.store import STORE_VAR, Key, Store, StoreError, link_entry, open_store
 
 SCRIPT = Path("scripts") / "vllm-parse-argv.py"
 MARKER = "VLLMSTACK-PARSE-RESULT "
@@ -155,6 +156,9 @@ def ensure_parser_env(
     if runner.dry_run:
         _create(runner, ParserEnv(final), version, python, base_env, pip_env)
         return final
+    store = open_store(base_env)
+    if store is not None:
+        return _ensure_stored(store, final, runner, version, python, base_env, pip_env, say)
     say(f"creating the vLLM {version} parser environment in {final} "
         "(one-off: downloads the wheel from PyPI, a few minutes)")
     try:
@@ -185,6 +189,46 @@ def ensure_parser_env(
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
+    return final
+
+
+def parser_key(version: str, python: str) -> Key:
+    """What the parser environment depends on: the vLLM release, the pinned list, the interpreter
+    (its real path: the environment's python links to it)."""
+    pinned = requirements_for(version)
+    return Key("vllm-parser", f"vllm-parser-{version}", {
+        "vllm": version, "requirements": list(pinned) if pinned is not None else "resolved by pip",
+        "python": os.path.realpath(shutil.which(python) or python),
+        "extras": list(PARSER_EXTRAS)})
+
+
+def _ensure_stored(store: Store, final: Path, runner: Runner, version: str, python: str,
+                   base_env: Mapping[str, str], pip_env: Mapping[str, str],
+                   say: Callable[[str], None]) -> Path:
+    """The parser environment from the build store, made there once per machine; `final` (the
+    checkout's .cache/vllm-parser/VERSION) links to it. The environment is used only through its
+    interpreter, so it may be built under a temporary name and renamed into place."""
+    def build(target: Path) -> None:
+        say(f"creating the vLLM {version} parser environment in the build store ({target.parent}; "
+            "one-off per machine: downloads the wheel from PyPI, a few minutes)")
+        target.mkdir(parents=True)
+        made = ParserEnv(target)
+        _create(runner, made, version, python, base_env, pip_env)
+        installed = _installed_version(runner, made, base_env)
+        if installed != version:
+            raise ParserEnvError(f"cannot create the vLLM parser environment: it holds vLLM "
+                                 f"{installed or '(none)'} instead of {version}")
+        made.marker.write_text(json.dumps(_marker_content(version, python), indent=2) + "\n",
+                               encoding="utf-8")
+
+    try:
+        entry = store.ensure(parser_key(version, python), build, files=[ENV_MARKER], say=say)
+        link_entry(final, entry.path)
+    except StoreError as exc:
+        raise ParserEnvError(f"{exc.cause}\n  fix: {exc.fix}") from exc
+    except OSError as exc:
+        raise ParserEnvError(f"cannot create the vLLM parser environment in {store.root}: {exc}\n"
+                             f"  fix: make it writable, or set {STORE_VAR}=off") from exc
     return final
 
 

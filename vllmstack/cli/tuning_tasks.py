@@ -41,7 +41,8 @@ TUNE_VALUES = {
     "budget_min": _number(0, 24 * 60, "a number of minutes", "8"),
     "shape": text("N,K of a GEMM", "34816,5120", empty=False),
     "projections": text("projections, comma-separated", "gate_up,down", empty=False),
-    "workers": whole(-1, 256, "a number of processes (-1: cores - 2)", 8),
+    # Left out, the plan picks cores - 2; a given count is used as it is (0: no compile workers).
+    "workers": whole(0, 256, "a number of processes", 8),
     "min_gain": _number(0, 10, "a fraction", "0.05"),
 }
 
@@ -54,17 +55,19 @@ TUNE_HELP = {
     "shape": "fp8-dense: N,K of a GEMM to tune (repeatable; from a boot log's `Config file not "
              "found at .../N=..,K=..` line); default: the MLP's gate_up and down",
     "projections": "fp8-dense: which projections, of gate_up, down, qkv, o (default gate_up,down)",
-    "workers": "processes that compile tiles ahead of timing (default: cores - 2, at most 12)",
+    "workers": "processes that compile tiles ahead of timing (default: cores - 2, at most 12; "
+               "0: none, each tile compiles as it is timed)",
     "min_gain": "keep a batch size's entry only when the re-run gain is at least this (default 0.05)",
     "python": "the engine's Python (default: NATIVE_ENGINE_COMMAND's, else install-engine's)",
     "force": "replace an existing config file (the old one is kept as .bak)",
     "dry_run": "print the plan and the command, measure nothing"}
 
 
-@stack_task(iterable=["set", "shape"], help=TUNE_HELP, values=TUNE_VALUES)
+# `workers` defaults to None (the plan's choice) but holds a count: parsed and shown as an INT.
+@stack_task(iterable=["set", "shape"], help=TUNE_HELP, values=TUNE_VALUES, kinds={"workers": int})
 def tune(c: Context, kind: str, model: Opt = None, platform: Opt = None, set: Sets = None,
          tp: int = 0, batch_sizes: Opt = None, budget_min: float = 8.0, shape: Sets = None,
-         projections: str = "gate_up,down", workers: int = -1, min_gain: float = 0.05,
+         projections: str = "gate_up,down", workers: int | None = None, min_gain: float = 0.05,
          python: Opt = None, force: bool = False, dry_run: bool = False, json: bool = False) -> None:
     """Tune vLLM's Triton configs for this profile's shapes on this GPU; keep only what wins by 5 %."""
     from vllmstack.tune import tuning
@@ -73,7 +76,7 @@ def tune(c: Context, kind: str, model: Opt = None, platform: Opt = None, set: Se
     plan = tuning.plan_tune(project, resolved, os.environ, kind=kind, tp=tp or None,
                             batch_sizes=tuning.parse_batch_sizes(batch_sizes), budget_min=budget_min,
                             projections=tuple(p.strip() for p in projections.split(",") if p.strip()),
-                            shapes=list(shape or []), workers=None if workers < 0 else workers,
+                            shapes=list(shape or []), workers=workers,
                             min_gain=min_gain)
     if not json:
         print(tuning.render_plan(plan))

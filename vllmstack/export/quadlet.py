@@ -20,7 +20,7 @@ import json
 import re
 from pathlib import Path
 
-from vllmstack.config.profiles import Resolved
+from vllmstack.config.profiles import Resolved, Setting
 from vllmstack.core.findings import Finding
 from vllmstack.export.layout import ENGINE_CACHE, HF_CACHE
 from vllmstack.export.spec import PLACEHOLDER, EngineSpec, describe
@@ -166,6 +166,7 @@ def build_unit(spec: EngineSpec, resolved: Resolved, environ: dict[str, str],
             f"Podman secret {secret_store}-{secret.key}; its value is not exported",
             key=secret.name, fix=f"printf %s VALUE | podman secret create {secret_store}-{secret.key} -"))
     container += [("PodmanArgs", words(args)) for args in podman]
+    findings += control_characters(resolved, container)
     service = [("Restart", "always"), ("TimeoutStartSec", str(START_TIMEOUT))]
     if flag_secrets:
         env_file = f"%E/vllmstack/{name}.secrets.env"
@@ -176,6 +177,35 @@ def build_unit(spec: EngineSpec, resolved: Resolved, environ: dict[str, str],
             "system unit, ~/.config for a user unit); not exported",
             fix="write " + ", ".join(f"{s.name}=VALUE" for s in flag_secrets) + " into it (chmod 600)"))
     return _text(spec, name, container, service), findings
+
+
+def control_characters(resolved: Resolved, entries: list[tuple[str, str]]) -> list[Finding]:
+    """A unit file is read line by line: a newline in a value would start a line of the writer's
+    choosing (`PodmanArgs=--privileged`, `Volume=/:/host`), and other control characters have no
+    place in one. Every value the unit would hold is checked, whatever built it; the setting that
+    carried the character is named with its file:line (a path derived from $HOME has none)."""
+    found: list[Finding] = []
+    named: set[str] = set()
+    for unit_key, value in entries:
+        if not CONTROL.search(value):
+            continue
+        settings: list[Setting | None] = [
+            s for s in resolved.values.values() if CONTROL.search(s.value)
+            and any(part and part in value for part in CONTROL.split(s.value))]
+        for setting in settings or [None]:
+            key = setting.key if setting is not None else unit_key
+            if key in named:
+                continue
+            named.add(key)
+            found.append(Finding(
+                "error", "export-control-character",
+                f"{key} holds a control character ({repr(setting.value if setting else value)[:80]}), "
+                f"which would reach the unit's {unit_key}= line; in a unit file a newline starts "
+                "a line of its own (another key, e.g. PodmanArgs=--privileged)",
+                key=setting.key if setting is not None else None,
+                source=setting.source if setting is not None else None,
+                fix=f"remove the newline or control character from {key}"))
+    return found
 
 
 def _text(spec: EngineSpec, name: str, container: list[tuple[str, str]],

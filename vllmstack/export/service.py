@@ -82,6 +82,11 @@ def plan_profiles(project: Project, target: str, profiles: Sequence[Resolved],
     plan = Plan(target, specs)
     for spec in specs:
         plan.findings += spec.findings
+    if any(f.severity == "error" for spec in specs for f in spec.resolved.problems):
+        # The settings themselves are refused (a value outside its choices or type): there is
+        # nothing sound to translate, and no document is built from them.
+        plan.findings = sort_findings(_unique(plan.findings))
+        return plan
     if target == PRODUCTION_STACK:
         _plan_chart(plan, chart)
     elif target == KUBE:

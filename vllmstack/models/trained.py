@@ -12,6 +12,8 @@ is refused, so a "trained" model is never a random one.
 from __future__ import annotations
 
 import json
+import shutil
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,8 @@ from vllmstack.config.profiles import Resolved
 from vllmstack.core.errors import StackError
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner
+from vllmstack.core.store import Key, open_store
+from vllmstack.image.sources import file_sha256
 from vllmstack.models import tiny
 from vllmstack.runtime.engine_env import stack_paths
 from vllmstack.runtime.native.beside import runner_environment
@@ -94,6 +98,42 @@ def make_trained(project: Project, resolved: Resolved, runner: Runner, environ: 
         finally:
             result_path.unlink(missing_ok=True)
 
+    store = open_store(environ)
+    if store is not None:
+        key = trained_key(preset, interpreter, max_minutes=max_minutes, max_steps=max_steps)
+
+        def train_or_reuse(folder: Path) -> None:
+            def build(target: Path) -> None:
+                train(folder)
+                shutil.copytree(folder, target)
+
+            made = store.ensure(key, build, files=TRAINED_FILES, force=force)
+            if made.reused:  # the training this machine did before, for the same inputs
+                print(f"vllmstack: the trained weights from the build store ({made.path})",
+                      file=sys.stderr)
+                for path in made.path.iterdir():
+                    shutil.copy2(path, folder / path.name)
+        post = train_or_reuse
+    else:
+        post = train
     hf_cache = None if out is not None else stack_paths(resolved, environ).hf_cache
     return tiny.make_model(preset, hf_cache=hf_cache, out=out, force=force,
-                           repo=geometry.repo + TRAINED_SUFFIX, post=train)
+                           repo=geometry.repo + TRAINED_SUFFIX, post=post)
+
+
+# What a training's result depends on, beside its arguments: the trainer and the model writer (a
+# change to either is another entry) and the corpus.
+TRAINER_SOURCES = ("train_runner.py", "trained.py", "tiny.py")
+TRAINED_FILES = ("model.safetensors", tiny.MODEL_RECORD, "config.json")
+
+
+def trained_key(preset: str, interpreter: str, *, max_minutes: float, max_steps: int) -> Key:
+    here = Path(__file__).parent
+    return Key("model", f"{tiny.PRESETS[preset].repo.split('/')[-1]}{TRAINED_SUFFIX}", {
+        "preset": preset, "max_minutes": max_minutes, "max_steps": max_steps,
+        "target_ratio": TARGET_RATIO, "copy_target": COPY_TARGET,
+        "corpus_sha256": file_sha256(DEFAULT_CORPUS),
+        "trainer_sha256": [file_sha256(here / name) for name in TRAINER_SOURCES],
+        # The engine environment it trains in (its torch): the folder, resolved through a
+        # checkout's link into the store.
+        "python": str(Path(interpreter).parent.parent.resolve() / "bin" / Path(interpreter).name)})

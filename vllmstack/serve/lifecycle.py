@@ -25,6 +25,7 @@ from vllmstack.core.files import FileWriteError, remove_file
 from vllmstack.core.findings import Finding
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner
+from vllmstack.core.store import clear_store
 from vllmstack.observe import metrics
 from vllmstack.observe.health import health_status, identify_server
 from vllmstack.runtime import engine_env
@@ -467,8 +468,11 @@ def exec_in_engine(stack: Stack, command: Sequence[str], *, tty: bool) -> int:
     return stack.runner.run(argv, capture=False).returncode
 
 
-def clear_caches(stack: Stack, *, dry_run: bool = False) -> list[str]:
-    """Delete compile/JIT caches (after an image or driver change); the HF cache stays."""
+def clear_caches(stack: Stack, *, dry_run: bool = False, store: bool = False) -> list[str]:
+    """Delete compile/JIT caches (after an image or driver change); the HF cache stays. `store`:
+    the build store too (core/store.py), which says what it frees and keeps what is in use."""
+    if store:
+        print("\n".join(clear_store(stack.environ, dry_run=dry_run)), file=stack.out)
     if stack.engine.state().running:
         raise LifecycleError("the engine is running and uses these caches", "invoke down first")
     done = engine_env.clear_engine_caches(engine_env.stack_paths(stack.resolved, stack.environ),

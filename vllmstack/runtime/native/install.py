@@ -19,21 +19,20 @@ from __future__ import annotations
 import json
 import os
 import re
-import shlex
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from vllmstack.config.profiles import Resolved
 from vllmstack.core.checkout import engine_names, holds_stack_lock
 from vllmstack.core.errors import StackError
-from vllmstack.core.files import JsonFileError, read_json_file, write_json
+from vllmstack.core.files import write_json
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner
-from vllmstack.image.cpu import CPU_PACKAGE, TORCH_CPU_INDEX, is_cpu_build, public_version
+from vllmstack.core.store import STORE_VAR, Entry, Key, link_entry, open_store, users
+from vllmstack.image.cpu import CPU_PACKAGE, CPU_SKIPPED, TORCH_CPU_INDEX, is_cpu_build, public_version
 from vllmstack.runtime.native.cpu_build import (
     BUILT_WHEELS,
     LAUNCHER,
@@ -46,6 +45,17 @@ from vllmstack.runtime.native.cpu_build import (
     is_source_build,
     link_base_site,
 )
+
+# Re-exported: their importers predate envs.py.
+from vllmstack.runtime.native.envs import MANIFEST as MANIFEST
+from vllmstack.runtime.native.envs import EngineEnv as EngineEnv
+from vllmstack.runtime.native.envs import engine_binary as engine_binary
+from vllmstack.runtime.native.envs import engine_dir as engine_dir
+from vllmstack.runtime.native.envs import engine_interpreter as engine_interpreter
+from vllmstack.runtime.native.envs import engine_version as engine_version
+from vllmstack.runtime.native.envs import list_engines as list_engines
+from vllmstack.runtime.native.envs import read_manifest as read_manifest
+from vllmstack.runtime.native.envs import render_engines as render_engines
 from vllmstack.runtime.native.procs import ProcTable
 from vllmstack.runtime.native.records import read_record
 from vllmstack.runtime.native.wheels import (  # noqa: F401 (parse_wheel: tests import it from here)
@@ -59,7 +69,6 @@ from vllmstack.runtime.native.wheels import (  # noqa: F401 (parse_wheel: tests 
 )
 
 ENGINES = ("vllm",)
-MANIFEST = "vllmstack-engine.json"
 # Packages whose versions the install report names (the rest are in the manifest).
 REPORTED = ("vllm", "torch", "triton", "transformers", "aiter", "flash-attn", "amdsmi")
 # A release or local version (0.31.0, 0.31.0rc1, 0.31.0+rocm7.2): nothing that could walk
@@ -69,27 +78,6 @@ VERSION = re.compile(r"^[0-9][0-9A-Za-z.!_-]*(\+[0-9A-Za-z._-]+)?$")
 
 class EngineInstallError(StackError):
     """The engine cannot be installed as asked; `fix` says what to do instead."""
-
-
-def engine_version(resolved: Resolved) -> str:
-    """The version the native runtime uses: NATIVE_ENGINE_VERSION, else the build pin."""
-    return (resolved.get("NATIVE_ENGINE_VERSION") or resolved.get("VLLM_VERSION") or "").strip()
-
-
-def engine_dir(project: Project, version: str, engine: str = "vllm") -> Path:
-    return project.cache / "engines" / f"{engine}-{version}"
-
-
-def engine_binary(project: Project, version: str) -> Path:
-    return engine_dir(project, version) / "bin" / "vllm"
-
-
-def read_manifest(folder: Path) -> dict[str, Any] | None:
-    try:  # damaged (cut short, deep, not JSON): not a finished install
-        data = read_json_file(folder / MANIFEST)
-    except JsonFileError:
-        return None
-    return data if isinstance(data, dict) else None
 
 
 @dataclass
@@ -107,6 +95,7 @@ class InstallReport:
     system_site_packages: bool = False
     base_python: str = ""  # the interpreter the environment was made from
     already: bool = False  # it was installed before: nothing was done
+    store: str = ""  # the build store entry the checkout's folder links to (empty: none)
     built: dict[str, Any] = field(default_factory=dict)  # a source build's image, patches, wheel
 
     def as_json(self) -> dict[str, Any]:
@@ -116,7 +105,8 @@ class InstallReport:
                 "installed": {k: v for k, v in self.packages.items() if k in REPORTED},
                 "packages": len(self.packages), "seconds": round(self.seconds, 1),
                 "replaced": self.replaced, "dry_run": self.dry_run, "notes": self.notes,
-                "already": self.already, **({"built": self.built} if self.built else {})}
+                "already": self.already, "store": self.store or None,
+                **({"built": self.built} if self.built else {})}
 
 
 def python_version(runner: Runner, python: str) -> tuple[int, int]:
@@ -242,16 +232,101 @@ def install_engine(
         print(("(dry run) " if dry_run else "") + line, file=out)
 
     manifest = read_manifest(folder)
+    key = engine_key(engine, version, package, python, py, environ) if (
+        wheels is None and built is None and not system_site_packages) else None
+    store = open_store(environ) if key is not None else None
+    if manifest is not None and not force:
+        # A second install is a no-op, as llama.cpp's is: the quick start run twice works.
+        report.already = True
+        report.source = str(manifest.get("source", "?"))
+        where = f" (linked: {os.readlink(folder)})" if folder.is_symlink() else ""
+        report.notes.append(f"installed {manifest.get('installed_at', '?')}{where}; --force "
+                            "installs it again")
+        return report
+    # An environment installed into the checkout itself (before the store, or with it off) is
+    # replaced there by --force; anything else goes through the store.
+    if store is not None and key is not None and not (manifest is not None and not folder.is_symlink()):
+        def build_in(target: Path) -> None:
+            _build_environment(project, runner, target, report, python=python, py=py, base=base,
+                               wheels=wheels, wheel=wheel, index_deps=index_deps, built=built,
+                               docker=docker, cpu=cpu, environ=environ, stream=stream, say=say)
+        return _install_stored(project, store.entry(key), folder, report, build_in, force=force,
+                               say=say)
     if manifest is not None:
-        if not force:
-            # A second install is a no-op, as llama.cpp's is: the quick start run twice works.
-            report.already = True
-            report.source = str(manifest.get("source", "?"))
-            report.notes.append(f"installed {manifest.get('installed_at', '?')}; --force "
-                                "installs it again")
-            return report
         check_not_in_use(project, folder)
+        say(f"--force: removing the existing environment {folder}")
+        report.replaced = True
+    _build_environment(project, runner, folder, report, python=python, py=py, base=base,
+                       wheels=wheels, wheel=wheel, index_deps=index_deps, built=built, docker=docker,
+                       cpu=cpu, environ=environ, stream=stream, say=say)
+    return report
 
+
+# The install steps themselves: a change here that changes what lands in an environment must
+# raise this, so that build-store entries made by the old steps are not reused.
+INSTALL_RECIPE = 1
+
+
+def engine_key(engine: str, version: str, package: str, python: str, py: tuple[int, int],
+               environ: Mapping[str, str]) -> Key:
+    """What an index install's environment depends on: the package and version, the interpreter it
+    is made from (its real path: a venv names it), the recipe, and where pip looks."""
+    interpreter = shutil.which(python) or python
+    return Key("engine", f"{engine}-{version}", {
+        "package": package, "version": version, "python": os.path.realpath(interpreter),
+        "python_version": f"{py[0]}.{py[1]}", "machine": os.uname().machine,
+        "recipe": INSTALL_RECIPE, "cpu_skipped": list(CPU_SKIPPED) if is_cpu_build(version) else [],
+        "index": [environ.get(name, "") for name in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL",
+                                                     "PIP_FIND_LINKS")]})
+
+
+def _install_stored(project: Project, entry: Entry, folder: Path, report: InstallReport,
+                    build: Callable[[Path], None], *, force: bool,
+                    say: Callable[[str], None]) -> InstallReport:
+    """The environment in the build store (shared by this machine's checkouts), `folder` a link to
+    it. A complete entry is linked in seconds; --force builds it again once nothing runs from it."""
+    report.store = str(entry.path)
+    if report.dry_run:
+        say(f"would install into the build store entry {entry.path} and link {folder} to it")
+        build(entry.path)
+        return report
+    if entry.is_complete() and not force:
+        manifest = read_manifest(entry.path) or {}
+        link_entry(folder, entry.path)
+        report.already = True
+        report.source = str(manifest.get("source", "?"))
+        report.notes.append(f"installed {manifest.get('installed_at', '?')} into the build store "
+                            f"({entry.path}), linked; --force installs it again")
+        return report
+    if force:
+        check_not_in_use(project, folder)
+        running = users(entry.path)
+        if running:
+            raise EngineInstallError(
+                f"pid {', '.join(map(str, running))} runs from {entry.path}, which --force would "
+                "replace (the build store's environment is shared by this machine's checkouts)",
+                "stop that engine first (invoke down in its checkout)")
+        report.replaced = entry.is_complete()
+    if not folder.is_symlink() and folder.exists():
+        # No manifest: an earlier install stopped half-way; nothing usable is in there.
+        say(f"removing the unfinished environment of an earlier attempt: {folder}")
+        shutil.rmtree(folder)
+    made = entry.store.ensure(entry.key, build, in_place=True, force=force, say=say,
+                              files=[MANIFEST, "bin/python", f"bin/{report.engine}"])
+    link_entry(folder, made.path)
+    report.notes.append(f"kept in the build store: {made.path} (every checkout on this machine "
+                        f"links to it; {STORE_VAR}=off installs into the checkout instead)")
+    return report
+
+
+def _build_environment(project: Project, runner: Runner, folder: Path, report: InstallReport, *,
+                       python: str, py: tuple[int, int], base: BasePackages, wheels: Path | None,
+                       wheel: Wheel | None, index_deps: bool, built: BuiltWheel | None,
+                       docker: str, cpu: bool, environ: Mapping[str, str], stream: bool,
+                       say: Callable[[str], None]) -> None:
+    """Create the virtual environment `folder` and install the engine into it; the manifest,
+    written last, marks it complete."""
+    dry_run, engine, version, source = runner.dry_run, report.engine, report.version, report.source
     started = time.monotonic()
     # The built wheel is checked before anything is removed: a wheel this host cannot load (a
     # newer glibc, another Python) leaves the environment a --force would replace as it was.
@@ -259,16 +334,16 @@ def install_engine(
         built.path = copy_wheel_out(runner, docker, built, project.cache / BUILT_WHEELS, say)
     if built is not None and built.path is not None and built.path.is_file():
         check_built_wheel(built.path, built.version, py, host_glibc(), built.image)
-    if manifest is not None:
-        say(f"--force: removing the existing environment {folder}")
-        report.replaced = True
-    elif folder.exists():
+    if not report.replaced and folder.exists() and not folder.is_symlink():
         # No manifest: an earlier install stopped half-way; nothing usable is in there.
         say(f"removing the unfinished environment of an earlier attempt: {folder}")
-    if folder.exists() and not dry_run:
+    if folder.is_symlink() and not dry_run:
+        folder.unlink()  # a link to a store entry; --force with the store off installs here
+    elif folder.exists() and not dry_run:
         shutil.rmtree(folder)
-    created = runner.run([python, "-m", "venv", *(["--system-site-packages"] if system_site_packages
-                                                   else []), str(folder)], timeout=600)
+    created = runner.run([python, "-m", "venv", *(["--system-site-packages"]
+                                                   if report.system_site_packages else []),
+                          str(folder)], timeout=600)
     if not created.ok:
         raise EngineInstallError(
             f"could not create a virtual environment in {folder}: "
@@ -317,7 +392,7 @@ def install_engine(
         say(f"installing {engine}=={version} from {source} into {folder}")
         pip_install([f"{engine}=={version}"], f"{engine}=={version}")
     if dry_run:
-        return report
+        return
     command = folder / "bin" / engine
     if not command.is_file() and base.vllm:
         command.write_text(LAUNCHER.format(python=venv_python))
@@ -335,7 +410,6 @@ def install_engine(
         report.notes.append("could not list the installed packages (pip list failed)")
     report.seconds = time.monotonic() - started
     write_manifest(folder, report, wheel)
-    return report
 
 
 def host_glibc() -> tuple[int, int] | None:
@@ -400,84 +474,4 @@ def render_install(report: InstallReport, project: Project) -> str:
     else:
         lines.append(f"run it:   invoke up --runtime native   (uses it when NATIVE_ENGINE_VERSION or "
                      f"VLLM_VERSION is {report.version})")
-    return "\n".join(lines)
-
-
-# --- invoke engines ----------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class EngineEnv:
-    """One folder under .cache/engines: complete (a manifest) or left unfinished."""
-
-    folder: Path
-    manifest: dict[str, Any] | None
-
-    @property
-    def version(self) -> str:
-        if self.manifest is not None:
-            return str(self.manifest.get("version") or "?")
-        return self.folder.name.split("-", 1)[-1]
-
-    def package(self, name: str) -> str | None:
-        packages = (self.manifest or {}).get("packages")
-        found = packages.get(name) if isinstance(packages, dict) else None
-        return str(found) if found else None
-
-    def as_json(self) -> dict[str, Any]:
-        data = self.manifest or {}
-        return {"folder": str(self.folder), "version": self.version,
-                "complete": self.manifest is not None, "vllm": self.package("vllm"),
-                "torch": self.package("torch"), "python": data.get("python"),
-                "source": data.get("source"), "installed_at": data.get("installed_at"),
-                "system_site_packages": bool(data.get("system_site_packages"))}
-
-
-def list_engines(project: Project) -> list[EngineEnv]:
-    root = project.cache / "engines"
-    folders = sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
-    return [EngineEnv(folder, read_manifest(folder)) for folder in folders]
-
-
-def engine_interpreter(project: Project, resolved: Resolved, *, any_installed: bool = False) -> str | None:
-    """The Python the profile's engine runs under, for work done beside it (tuning, calibration,
-    training): NATIVE_ENGINE_COMMAND's interpreter when it is `<python> -m vllm...`; else the
-    install-engine environment of the profile's version; with `any_installed` (work that needs
-    torch, not a given vLLM), the newest complete environment here. None: none of these."""
-    try:
-        words = shlex.split(resolved.get("NATIVE_ENGINE_COMMAND") or "")
-    except ValueError:
-        words = []  # `invoke check` reports the quoting
-    if len(words) >= 2 and words[1] == "-m" and "python" in Path(words[0]).name:
-        return words[0]
-    version = engine_version(resolved)
-    candidate = engine_dir(project, version) / "bin" / "python" if version else None
-    if candidate is not None and candidate.is_file():
-        return str(candidate)
-    others = [env.folder / "bin" / "python" for env in list_engines(project)
-              if env.manifest is not None and (env.folder / "bin" / "python").is_file()]
-    return str(others[-1]) if any_installed and others else None
-
-
-def render_engines(envs: list[EngineEnv], used: str) -> str:
-    """One line per environment; `used` is the version the current profile runs natively."""
-    if not envs:
-        return ("no engine environments in .cache/engines\n"
-                "install one: invoke install-engine (--platform cpu for vLLM's CPU build)")
-    lines = []
-    for env in envs:
-        mark = "*" if env.version == used else " "
-        if env.manifest is None:
-            lines.append(f"{mark} {env.folder.name:<24} unfinished (an install stopped half-way; "
-                         "install-engine starts it over)")
-            continue
-        data = env.manifest
-        extra = ", system site-packages" if data.get("system_site_packages") else ""
-        lines.append(f"{mark} {env.folder.name:<24} vllm {env.package('vllm') or '?':<12} torch "
-                     f"{env.package('torch') or '?':<14} python {data.get('python', '?')}{extra}; "
-                     f"{data.get('source', '?')}, {data.get('installed_at', '?')}")
-    if any(env.version == used for env in envs):
-        lines.append(f"* = what the native runtime runs for this profile (vLLM {used})")
-    elif used:
-        lines.append(f"this profile's native engine, vLLM {used}, is not installed: "
-                     f"invoke install-engine --version {used}")
     return "\n".join(lines)

@@ -29,11 +29,20 @@ from typing import Any, TextIO
 from vllmstack.config.engine import llamacpp_backend
 from vllmstack.config.profiles import Resolved
 from vllmstack.core.checkout import holds_stack_lock
+from vllmstack.core.cpu import cpu_flags
 from vllmstack.core.errors import StackError
 from vllmstack.core.files import JsonFileError, read_json_file, write_json
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner, format_command
-from vllmstack.image.llamacpp_source import TARGET, cmake_args, patch_folder, prepare_source, source_dir
+from vllmstack.core.store import Key, link_entry, open_store, users
+from vllmstack.image.llamacpp_source import (
+    TARGET,
+    cmake_args,
+    patch_folder,
+    pinned_sha256,
+    prepare_source,
+    source_dir,
+)
 from vllmstack.image.patches import patch_set_hash
 from vllmstack.runtime.native.install import check_not_in_use
 from vllmstack.runtime.native.llamacpp_build import BUILD_INFO, build_dir, read_build_info
@@ -128,7 +137,17 @@ def install_llamacpp(project: Project, runner: Runner, *, ref: str, backend: str
     if shutil.which("cmake", path=environ.get("PATH")) is None and not dry_run:
         raise LlamaInstallError("cmake is not installed, so llama-server cannot be built",
                                 f"install {NEEDS[backend]}")
-    build = folder.with_name(folder.name + ".build")
+    store = open_store(environ)
+    entry = store.entry(llamacpp_key(project, ref, backend, args, environ)) if store else None
+    if entry is not None and entry.is_complete() and not force:
+        if not dry_run:
+            link_entry(folder, entry.path)
+        say(f"llama.cpp {ref} for {backend} is in the build store ({entry.path}): linked {folder}")
+        return folder
+    # With the store the cmake folder lies beside the entry: a killed build resumes in whichever
+    # checkout runs next.
+    build = (entry.path.with_name(entry.key.slug + ".build") if entry is not None
+             else folder.with_name(folder.name + ".build"))
     source = source_dir(project, ref)
     jobs = jobs or os.cpu_count() or 1
     env = {**environ, **(hip_environment(runner, environ) if backend == "rocm" else {})}
@@ -139,8 +158,75 @@ def install_llamacpp(project: Project, runner: Runner, *, ref: str, backend: str
         say(f"fetch the pinned sdist of llama.cpp {ref} and apply patches/llamacpp into {source}")
         say(format_command(configure))
         say(format_command(compile_))
-        say(f"then copy bin/{TARGET} and its libraries, with {BUILD_INFO}, into {folder}")
+        say(f"then copy bin/{TARGET} and its libraries, with {BUILD_INFO}, into "
+            + (f"the build store ({entry.path}), linked from {folder}" if entry else str(folder)))
         return folder
+
+    def compile_into(target: Path) -> None:
+        _compile(project, runner, ref, backend, target, build, configure, compile_, args, jobs, env,
+                 environ, stream, say)
+
+    if entry is None:
+        compile_into(folder)
+        shutil.rmtree(build, ignore_errors=True)  # the result is in place; the objects are not needed
+        return folder
+    running = users(entry.path) if force else []
+    if running:
+        raise LlamaInstallError(f"pid {', '.join(map(str, running))} runs {entry.path}, which "
+                                "--force would replace (the build store's, shared by this machine's "
+                                "checkouts)", "stop that engine first (invoke down in its checkout)")
+    made = entry.store.ensure(entry.key, compile_into, files=[f"bin/{TARGET}", BUILD_INFO],
+                              force=force, say=say)
+    shutil.rmtree(build, ignore_errors=True)
+    if folder.exists() and not folder.is_symlink():
+        check_not_in_use(project, folder)
+        say(f"replacing the earlier build in {folder} with a link to the build store")
+        shutil.rmtree(folder)
+    link_entry(folder, made.path)
+    say(f"kept in the build store: {made.path} (every checkout on this machine links to it)")
+    return folder
+
+
+def install_from_settings(project: Project, resolved: Resolved, runner: Runner, *,
+                          environ: Mapping[str, str], out: TextIO, backend: str | None = None,
+                          jobs: int | None = None, cuda_arch: str = "",
+                          extra_args: Sequence[str] = (), force: bool = False,
+                          dry_run: bool = False, stream: bool = True) -> Path:
+    """install_llamacpp with the profile's pins: LLAMACPP_REF, the backend (`backend`, else
+    LLAMACPP_BACKEND, else the platform's GPU vendor's) and GPU_ARCH for ROCm."""
+    return install_llamacpp(project, runner, ref=resolved.get_str("LLAMACPP_REF"),
+                            backend=backend or llamacpp_backend(resolved), environ=environ,
+                            out=out, jobs=jobs, gpu_arch=resolved.get_str("GPU_ARCH"),
+                            cuda_arch=cuda_arch, extra_args=extra_args, force=force,
+                            dry_run=dry_run, stream=stream)
+
+
+def llamacpp_key(project: Project, ref: str, backend: str, args: Sequence[str],
+                 environ: Mapping[str, str]) -> Key:
+    """What a build depends on: the source (ref, the sdist's pinned sha256, the patch set), the
+    cmake arguments, the compilers cmake finds (their real files), the machine and, since cmake
+    compiles for this CPU (GGML_NATIVE is on by default), the CPU's flags."""
+    path = environ.get("PATH")
+    tools = {}
+    for name, default in (("CC", "cc"), ("CXX", "c++"), ("CUDACXX", "nvcc"), ("HIPCXX", "hipconfig")):
+        found = shutil.which(environ.get(name) or default, path=path)
+        if found:
+            real = Path(os.path.realpath(found))
+            stat = real.stat()
+            tools[name] = f"{real} {stat.st_size} {int(stat.st_mtime)}"
+    return Key("llamacpp", f"llamacpp-{ref}-{backend}", {
+        "ref": ref, "backend": backend, "sdist_sha256": pinned_sha256(ref),
+        "patch_set": current_patch_set(project), "cmake_args": list(args), "tools": sorted(
+            f"{k}={v}" for k, v in tools.items()), "machine": platform.machine(),
+        "cpu_flags": sorted(cpu_flags())})
+
+
+def _compile(project: Project, runner: Runner, ref: str, backend: str, folder: Path, build: Path,
+             configure: list[str], compile_: list[str], args: list[str], jobs: int,
+             env: Mapping[str, str], environ: Mapping[str, str], stream: bool,
+             say: Callable[[str], None]) -> None:
+    """Configure and build in `build` (kept when a step fails: the next run resumes), check that
+    the binary runs, and assemble `folder` with its build.json."""
     prepared = prepare_source(project, runner, ref, environ=environ, say=say)
     _reset_if_reconfigured(build, configure, say)
     say(f"building {TARGET} (llama.cpp {ref}, {backend}) with {jobs} job(s) in {build}")
@@ -175,23 +261,7 @@ def install_llamacpp(project: Project, runner: Runner, *, ref: str, backend: str
         "version": (version.stdout + version.stderr).strip().splitlines()[-2:],
     }
     _assemble(project, build, folder, info, say)
-    shutil.rmtree(build, ignore_errors=True)  # the result is in place; the objects are not needed
-    say(f"built {folder / 'bin' / TARGET} in {seconds / 60:.1f} min")
-    return folder
-
-
-def install_from_settings(project: Project, resolved: Resolved, runner: Runner, *,
-                          environ: Mapping[str, str], out: TextIO, backend: str | None = None,
-                          jobs: int | None = None, cuda_arch: str = "",
-                          extra_args: Sequence[str] = (), force: bool = False,
-                          dry_run: bool = False, stream: bool = True) -> Path:
-    """install_llamacpp with the profile's pins: LLAMACPP_REF, the backend (`backend`, else
-    LLAMACPP_BACKEND, else the platform's GPU vendor's) and GPU_ARCH for ROCm."""
-    return install_llamacpp(project, runner, ref=resolved.get_str("LLAMACPP_REF"),
-                            backend=backend or llamacpp_backend(resolved), environ=environ,
-                            out=out, jobs=jobs, gpu_arch=resolved.get_str("GPU_ARCH"),
-                            cuda_arch=cuda_arch, extra_args=extra_args, force=force,
-                            dry_run=dry_run, stream=stream)
+    say(f"built {TARGET} in {seconds / 60:.1f} min")
 
 
 def _reset_if_reconfigured(build: Path, configure: list[str], say: Callable[[str], None]) -> None:
