@@ -182,6 +182,29 @@ def llamacpp_cpu_server() -> Path:
     return Path(os.environ.get("VLLMSTACK_LLAMA_SERVER") or folder / "bin" / "llama-server")
 
 
+CPU_ENGINE_VERSION = "0.32.0+cpu"  # env/platforms/cpu.env's NATIVE_ENGINE_VERSION
+
+
+@pytest.fixture(scope="session")
+def cpu_engine_python() -> Path:
+    """The CPU vLLM engine's interpreter (torch, transformers), installed through the stack (the
+    machine's build store) when this checkout has none. For tests marked real_engine: they run
+    in the integration tier, so provisioning never depends on which test ran first."""
+    from vllmstack.runtime.native.install import engine_dir, read_manifest
+
+    folder = engine_dir(Project(ROOT), CPU_ENGINE_VERSION)
+    if read_manifest(folder) is None:
+        import subprocess
+        import sys
+
+        result = subprocess.run([sys.executable, "-m", "invoke", "install-engine", "--platform", "cpu"],
+                                cwd=ROOT, capture_output=True, text=True, timeout=1500, check=False,
+                                env=machine_environ())
+        need(result.returncode == 0, "the CPU engine (invoke install-engine --platform cpu failed: "
+             + (result.stderr.strip()[-300:] or "?") + ")")
+    return folder / "bin" / "python"
+
+
 @pytest.fixture(scope="session")
 def converter_python() -> str:
     """A Python with what llama.cpp's converter needs (torch, transformers, numpy): the CPU vLLM

@@ -23,6 +23,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -67,6 +68,27 @@ async def until(condition: Callable[[], object], timeout: float = 10.0, interval
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {timeout:g} s: {what or 'the condition'}")
         await asyncio.sleep(interval)
+
+
+def finishes(work: Callable[[], Any], seconds: float = 10) -> Any:
+    """`work()`'s result (or its exception, raised here), failing when it has not returned in
+    `seconds`: a FIFO open blocks for ever, and the thread is a daemon, so a hang fails the test
+    instead of the run."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["value"] = work()
+        except BaseException as exc:  # handed to the test
+            out["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still running after {seconds} s (hung)"
+    if "error" in out:
+        raise out["error"]
+    return out.get("value")
 
 
 # --- Docker -------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import pytest
 from conftest import cpu_missing
 
 from vllmstack.core.cpu import cpu_flags, describe_isa, has_avx512, signal_name
+from vllmstack.core.paths import Project
 from vllmstack.core.runner import RecordingRunner, Result
 from vllmstack.image.cpu import KERNELS_SCRIPT, cpu_build_runs, fp8_kv_serves, kernel_library
 from vllmstack.models.kv_calibration import CalibrationError, check_fp8_kv_engine
@@ -126,3 +127,25 @@ def test_a_test_that_needs_a_cpu_feature_is_skipped_naming_it_on_either_host() -
     assert reason is not None
     assert "needs AVX-512 or AMX" in reason and "sse4_2 avx avx2 fma f16c" in reason
     assert "no install provides it" in reason
+
+
+def test_check_refuses_fp8_kv_on_the_cpu_build_where_the_cpu_holds_none(project: Project) -> None:
+    # What `check` and so `up` say before a boot that vLLM's attention backend would end.
+    from dataclasses import replace
+
+    from vllmstack.checks.context import build_context
+    from vllmstack.checks.kv_scales import rule_cpu_fp8_kv
+    from vllmstack.config.profiles import resolve
+
+    fp8 = resolve(project, platform="cpu", model="tiny", overrides=["VLLM_KV_CACHE_DTYPE=fp8"])
+    ctx = build_context(project, fp8, {})
+    (refused,) = rule_cpu_fp8_kv(replace(ctx, cpu_flags=frozenset(EPYC_AVX2)))
+    assert (refused.severity, refused.code, refused.key) == ("error", "cpu-fp8-kv", "VLLM_KV_CACHE_DTYPE")
+    assert refused.source == "--set" and "sse4_2 avx avx2 fma f16c" in refused.message
+    assert "VLLM_KV_CACHE_DTYPE=auto" in (refused.fix or "")
+    for fine in (SAPPHIRE_RAPIDS, SKYLAKE_X, set()):  # AVX-512, AMX, or flags unknown
+        assert rule_cpu_fp8_kv(replace(ctx, cpu_flags=frozenset(fine))) == []
+    bf16 = build_context(project, resolve(project, platform="cpu", model="tiny"), {})
+    assert rule_cpu_fp8_kv(replace(bf16, cpu_flags=frozenset(EPYC_AVX2))) == []
+    gpu = resolve(project, platform="nvidia", model="qwen3-0.6b", overrides=["VLLM_KV_CACHE_DTYPE=fp8"])
+    assert rule_cpu_fp8_kv(replace(build_context(project, gpu, {}), cpu_flags=frozenset(EPYC_AVX2))) == []

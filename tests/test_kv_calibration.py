@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, need
+from conftest import ROOT
 from helpers import write_checkpoint
 
 from vllmstack.config.profiles import resolve
@@ -23,8 +23,6 @@ from vllmstack.models import tiny
 from vllmstack.runtime.base import Beside
 from vllmstack.runtime.native.beside import native_beside
 from vllmstack.tune import kv_copy as kv
-
-ENGINE_PYTHON = ROOT / ".cache" / "engines" / "vllm-0.32.0+cpu" / "bin" / "python"
 
 
 def on_host(runner: RecordingRunner) -> Beside:
@@ -156,11 +154,12 @@ def test_ensure_measures_once_then_keeps_the_fresh_copy(project: Project, model:
     assert kv.read_sidecar(made.folder) is not None  # the good copy survived the refused one
 
 
-def test_the_runner_measures_every_layer_on_a_real_model(tmp_path: Path) -> None:
-    need(ENGINE_PYTHON.is_file(), "the CPU engine's Python (invoke install-engine --platform cpu)")
+@pytest.mark.slow
+@pytest.mark.real_engine
+def test_the_runner_measures_every_layer_on_a_real_model(tmp_path: Path, cpu_engine_python: Path) -> None:
     folder = tiny.make_model("tiny", out=tmp_path / "tiny").folder
     out = tmp_path / "amax.json"
-    done = subprocess.run([str(ENGINE_PYTHON), "-m", "vllmstack.models.kv_calibrate_runner", str(folder),
+    done = subprocess.run([str(cpu_engine_python), "-m", "vllmstack.models.kv_calibrate_runner", str(folder),
                            str(kv.DEFAULT_CORPUS), str(out), "--tokens", "2048"], cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
                           timeout=600, check=False)

@@ -130,9 +130,22 @@ def check(box: Box, folder: Path, *command: str) -> subprocess.CompletedProcess[
                       "--set", "VLLM_KV_CACHE_DTYPE=fp8", timeout=600)
 
 
+def passes_check(box: Box, folder: Path) -> subprocess.CompletedProcess[str]:
+    """`check` of the copy with fp8 KV: clean where the CPU holds fp8 KV; elsewhere refused for
+    that alone (cpu-fp8-kv), before any boot."""
+    done = check(box, folder)
+    said = done.stdout + done.stderr
+    if cpu_missing(FP8_KV) is None:
+        assert done.returncode == 0, said
+    else:
+        assert done.returncode == 1 and "cpu-fp8-kv" in said, said
+        assert "FAILED: 1 error(s)" in said, said
+    return done
+
+
 def test_up_refuses_a_zeroed_scale_and_a_stale_copy_is_measured_again(box: Box, calibrated: str) -> None:
     folder = calibrated_folder(calibrated)
-    assert check(box, folder).returncode == 0
+    passes_check(box, folder)
     sidecar_path = folder / SIDECAR
     good = sidecar_path.read_text()
     sidecar = json.loads(good)
@@ -151,8 +164,8 @@ def test_up_refuses_a_zeroed_scale_and_a_stale_copy_is_measured_again(box: Box, 
     sidecar = json.loads(good)
     sidecar["source_revision"] = "an-older-snapshot"
     sidecar_path.write_text(json.dumps(sidecar))
-    stale = check(box, folder)
-    assert stale.returncode == 0 and "kv-calibration-stale" in stale.stdout, stale.stdout + stale.stderr
+    stale = passes_check(box, folder)
+    assert "kv-calibration-stale" in stale.stdout, stale.stdout + stale.stderr
     if cpu_missing(FP8_KV) is None:
         try:
             served = box.must("up", "--no-dashboard", "--set", f"VLLM_MODEL={TRAINED}",
@@ -167,6 +180,6 @@ def test_up_refuses_a_zeroed_scale_and_a_stale_copy_is_measured_again(box: Box, 
     else:
         again = box.must("calibrate-kv", "--set", f"VLLM_MODEL={TRAINED}")
         assert again.startswith("calibrated (the source snapshot changed") and str(folder) in again, again
-    assert check(box, folder).returncode == 0
+    assert "kv-calibration-stale" not in passes_check(box, folder).stdout
     assert json.loads(sidecar_path.read_text())["source_revision"] != "an-older-snapshot"
     assert ENGINE_VERSION in json.loads(sidecar_path.read_text())["versions"]["engine"]

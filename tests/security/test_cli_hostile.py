@@ -16,13 +16,12 @@ import signal
 import struct
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import finishes
 from simulator.fixture import SimProcess, run_simulator
 from test_llamacpp_checks import small_gguf
 
@@ -52,26 +51,6 @@ def error_and_fix(done: subprocess.CompletedProcess[str]) -> tuple[str, str]:
     error, fix = done.stderr.splitlines()[-2:]
     assert error.startswith("error: ") and fix.startswith("fix:"), done.stderr
     return error, fix
-
-
-def finishes(work: Callable[[], Any], seconds: float) -> Any:
-    """`work()`'s result, or a failure when it has not returned in `seconds` (a FIFO open blocks
-    for ever: the thread is a daemon, so a hang fails the test instead of the run)."""
-    out: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            out["value"] = work()
-        except BaseException as exc:  # handed to the test
-            out["error"] = exc
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"still running after {seconds} s (hung)"
-    if "error" in out:
-        raise out["error"]
-    return out.get("value")
 
 
 # --- GGUF headers that lie (issue 22 #11) ----------------------------------------------------------

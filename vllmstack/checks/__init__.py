@@ -17,8 +17,10 @@ Where things live (a new check goes in the module of its concern, then into RULE
   pins.py           build pins that move together, and overlays locked to a vLLM ref
   llamacpp.py       ENGINE=llamacpp: llama-server's argv, the GGUF file, its architecture, the
                     context against the trained one, the memory projection (RULE_ENGINES)
-  gguf.py           a GGUF header's facts (gguf package); llamacpp-archs.txt: the architectures
-                    the pinned llama.cpp loads
+  gguf.py           a GGUF header's facts; llamacpp-archs.txt: the architectures the pinned
+                    llama.cpp loads
+  gguf_header.py    the bounded GGUF header parser gguf.py reads through (limits on sizes,
+                    counts and types; non-regular files refused; GgufError names the file)
   deep.py           `check --deep`: the argv through the pinned vLLM's own parser
   parser_pins.py    reads parser-requirements.txt: the pinned packages of deep.py's parser
                     environment, one `[VERSION]` section per vLLM release (edit the .txt)

@@ -21,6 +21,7 @@ from vllmstack.config.modelinfo import ModelFacts, load_model_facts
 from vllmstack.config.profiles import Resolved, Setting
 from vllmstack.config.schema import Schema, load_schema
 from vllmstack.config.vllm_args import ServeCommand
+from vllmstack.core.cpu import cpu_flags as read_cpu_flags
 from vllmstack.core.findings import Finding
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner
@@ -48,6 +49,11 @@ class CheckContext:
     looked_for_gpus: bool = False
     # ENGINE=llamacpp: the header of LLAMACPP_MODEL, or why it could not be read.
     gguf: GgufRead | None = None
+    # This host's CPU flags (core/cpu.py) where a rule asks; None: read /proc/cpuinfo then.
+    cpu_flags: frozenset[str] | None = None
+
+    def host_cpu_flags(self) -> frozenset[str]:
+        return self.cpu_flags if self.cpu_flags is not None else frozenset(read_cpu_flags())
 
     def get(self, key: str) -> str:
         """The raw text of a setting, "" when unset (no schema default: rules validate it)."""
@@ -129,7 +135,8 @@ def build_context(
         used = cards_in_use(resolved, hardware)
         resolved, detected = with_detected(resolved, hardware, used)
     return CheckContext(project, resolved, schema or load_schema(),
-                        load_model_facts(resolved, environ), environ, runtime_name=runtime,
+                        load_model_facts(resolved, environ, strict=False), environ,
+                        runtime_name=runtime,
                         hardware=hardware, used_cards=used or (), detected=detected,
                         looked_for_gpus=looked,
                         gguf=read_setting(resolved) if is_llamacpp(resolved) else None)

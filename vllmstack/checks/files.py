@@ -22,7 +22,7 @@ def rule_files_exist(ctx: CheckContext) -> list[Finding]:
             out.append(ctx.finding("error", "missing-model-dir", "VLLM_MODEL",
                                    f"model folder {path} does not exist",
                                    fix="download or copy the model there, or use a Hugging Face id"))
-        elif not (path / "config.json").is_file():
+        elif not (path / "config.json").exists():  # a FIFO there: bad-model-config below
             out.append(ctx.finding("error", "missing-model-config", "VLLM_MODEL",
                                    f"{path} has no config.json: not a model folder",
                                    fix="point VLLM_MODEL at the folder that holds config.json"))
@@ -39,7 +39,9 @@ def rule_files_exist(ctx: CheckContext) -> list[Finding]:
     template = ctx.get("VLLM_CHAT_TEMPLATE")
     if template:
         path = ctx.project.root / "chat-templates" / template
-        if not path.is_file():
+        # Only when nothing is there: a FIFO, a device or a folder by that name is the template
+        # rule's (chat-template-limit: "is a FIFO, not a regular file"), not "does not exist".
+        if not path.exists():
             have = sorted(p.name for p in (ctx.project.root / "chat-templates").glob("*.jinja"))
             out.append(ctx.finding("error", "missing-chat-template", "VLLM_CHAT_TEMPLATE",
                                    f"chat template chat-templates/{template} does not exist",
@@ -48,12 +50,16 @@ def rule_files_exist(ctx: CheckContext) -> list[Finding]:
     hf_config = ctx.get("VLLM_HF_CONFIG_PATH")
     if hf_config:
         path = Path(hf_config).expanduser()
-        if not (path / "config.json").is_file():
+        if not (path / "config.json").exists():
             out.append(ctx.finding("error", "missing-hf-config", "VLLM_HF_CONFIG_PATH",
                                    f"{path}/config.json does not exist",
                                    fix="point it at a folder holding the replacement config.json"))
         else:
             out += _check_mounted(ctx, "VLLM_HF_CONFIG_PATH", path)
+    problem = ctx.facts.config_problem
+    if problem is not None:  # config.json gave no facts: the other rules use the profile's
+        key = "VLLM_HF_CONFIG_PATH" if hf_config else "VLLM_MODEL"
+        out.append(ctx.finding("error", "bad-model-config", key, problem.cause, fix=problem.fix))
     return out
 
 

@@ -1,5 +1,7 @@
-"""What a GGUF file's header says, read with the `gguf` package (llama.cpp's own gguf-py, pinned
-to the version the pinned llama.cpp source carries), and the sums the llama.cpp checks need.
+"""What a GGUF file's header says, and the sums the llama.cpp checks need. The header is read by
+gguf_header.py's bounded parser (limits on sizes, counts and types; a named GgufError for any
+file that breaks them); the `gguf` package (llama.cpp's own gguf-py, pinned to the version the
+pinned llama.cpp source carries) gives only its tables of tensor and file types.
 
 Nothing here judges a profile: `read_gguf` returns the facts (architecture, trained context,
 file type, layers, heads, tensor bytes per layer), and the methods answer "how many bytes does
@@ -11,14 +13,13 @@ src/llama-hparams.cpp). The rules that use them are in llamacpp.py.
 from __future__ import annotations
 
 import re
-import stat
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
 
+from vllmstack.checks.gguf_header import GgufError as GgufError  # re-exported: the error callers catch
+from vllmstack.checks.gguf_header import GgufHeader, open_header, shown
 from vllmstack.config.llamacpp_args import MODEL_KEY, gguf_path
 from vllmstack.config.profiles import Resolved
 from vllmstack.core.errors import StackError
@@ -35,21 +36,7 @@ SPLIT_NAME = re.compile(r"^(?P<stem>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gg
 # has no full_attention_interval (src/models/qwen35.cpp, qwen35moe.cpp, qwen3next.cpp).
 INTERVAL_4_ARCHS = ("qwen35", "qwen35moe", "qwen3next")
 F32_BYTES = 4  # recurrent (Mamba/GDN) state is kept in f32
-# The fixed header: magic, version, tensor count, key/value count (gguf.md).
-GGUF_MAGIC = b"GGUF"
-HEADER_BYTES = 24
-# The least bytes one entry takes: a tensor's name length, one dimension, type and offset; a
-# pair's key length and value type plus the smallest value.
-MIN_TENSOR_INFO = 8 + 4 + 8 + 4 + 8
-MIN_KV_PAIR = 8 + 4 + 1
-
-
-class GgufError(ValueError):
-    """The file is missing, unreadable or not GGUF; `kind` says which."""
-
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind  # "missing", "unreadable" or "invalid"
+MAX_LAYERS = 512  # LLAMA_MAX_LAYERS (src/llama-hparams.h): llama.cpp refuses more
 
 
 @dataclass(frozen=True)
@@ -157,23 +144,38 @@ def known_archs() -> frozenset[str]:
 
 
 def read_gguf(path: Path) -> GgufInfo:
-    """The header facts of a GGUF file (and its sibling split files). Raises GgufError."""
-    reader = _open(path)
-    arch = _str(reader, "general.architecture")
+    """The header facts of a GGUF file (and its sibling split files). Raises GgufError: a file
+    that is not GGUF, is cut short, lies about a count or length, or holds a value of the wrong
+    type (a string block_count, a NaN) is "invalid", never a traceback or "0 layers"."""
+    with open_header(path) as header:
+        return _facts(path, header)
+
+
+def _facts(path: Path, header: GgufHeader) -> GgufInfo:
+    arch = header.string("general.architecture")
     if not arch:
         raise GgufError("invalid", f"{path} has no general.architecture: not a llama.cpp model GGUF")
-    tensors = [(t.name, t.tensor_type.name, int(t.n_bytes)) for t in reader.tensors]
+    tensors = [(t.name, t.type_name, t.n_bytes) for t in header.tensors]
     split = SPLIT_NAME.match(path.name)
-    if split and int(_int(reader, "split.count") or 1) > 1:
+    if split and (header.count("split.count") or 1) > 1:
         for index in range(2, int(split.group("count")) + 1):
             part = path.with_name(f"{split.group('stem')}-{index:05d}-of-{split.group('count')}.gguf")
-            tensors += [(t.name, t.tensor_type.name, int(t.n_bytes)) for t in _open(part).tensors]
-    blocks = _int(reader, f"{arch}.block_count") or 0
+            with open_header(part) as other:
+                tensors += [(t.name, t.type_name, t.n_bytes) for t in other.tensors]
+    blocks = header.count(f"{arch}.block_count", most=2**64 - 1)
+    if blocks is None:
+        if arch in known_archs():  # llama.cpp requires it (llama_model::load_hparams)
+            raise GgufError("invalid", f"{path} has no {shown(arch + '.block_count')}: not a "
+                            "GGUF file llama.cpp can load")
+        blocks = 0  # an architecture llama.cpp does not know: rule_gguf_arch says so
     if not 0 <= blocks <= len(tensors):
         # Every layer holds tensors of its own: a count beyond them is a header that lies, and
         # the per-layer tables below would be that long (10^12 layers: MemoryError).
         raise GgufError("invalid", f"{path} claims {blocks} layers but holds {len(tensors)} "
                         "tensors: not a GGUF file llama.cpp can load")
+    if blocks > MAX_LAYERS:
+        raise GgufError("invalid", f"{path} claims {blocks} layers: llama.cpp loads at most "
+                        f"{MAX_LAYERS} (LLAMA_MAX_LAYERS)")
     layer_bytes: dict[int, int] = {}
     expert_bytes: dict[int, int] = {}
     by_type: dict[str, int] = {}
@@ -188,20 +190,24 @@ def read_gguf(path: Path) -> GgufInfo:
             output += size
         elif name == "token_embd.weight":
             token_embd = size
-    n_embd, n_head = _int(reader, f"{arch}.embedding_length"), _int(reader, f"{arch}.attention.head_count")
+
+    def count(suffix: str) -> int | None:
+        return header.count(f"{arch}.{suffix}")
+
+    n_embd, n_head = count("embedding_length"), count("attention.head_count")
     default_dim = n_embd // n_head if n_embd and n_head else None
-    kv_heads = _per_layer(_value(reader, f"{arch}.attention.head_count_kv"), blocks, n_head or 0)
-    recurrent = _recurrent_layers(reader, arch, blocks, kv_heads)
-    file_type = _int(reader, "general.file_type")
+    kv_heads = _per_layer(header.counts(f"{arch}.attention.head_count_kv"), blocks, n_head or 0)
+    recurrent = _recurrent_layers(header, arch, blocks, kv_heads)
     return GgufInfo(
-        path=path, arch=arch, name=_str(reader, "general.name") or path.stem,
-        file_type=_file_type_name(file_type), context_length=_int(reader, f"{arch}.context_length"),
+        path=path, arch=arch, name=header.string("general.name") or path.stem,
+        file_type=_file_type_name(header.count("general.file_type")),
+        context_length=count("context_length"),
         block_count=blocks, embedding_length=n_embd, head_count=n_head, head_count_kv=kv_heads,
-        key_length=_int(reader, f"{arch}.attention.key_length") or default_dim,
-        value_length=_int(reader, f"{arch}.attention.value_length") or default_dim,
-        expert_count=_int(reader, f"{arch}.expert_count") or 0,
-        sliding_window=_int(reader, f"{arch}.attention.sliding_window"),
-        recurrent=recurrent, recurrent_state_bytes=_recurrent_state_bytes(reader, arch),
+        key_length=count("attention.key_length") or default_dim,
+        value_length=count("attention.value_length") or default_dim,
+        expert_count=count("expert_count") or 0,
+        sliding_window=count("attention.sliding_window"),
+        recurrent=recurrent, recurrent_state_bytes=_recurrent_state_bytes(header, arch),
         tensor_bytes=sum(size for _, _, size in tensors), layer_bytes=layer_bytes,
         expert_bytes=expert_bytes, output_bytes=output, token_embd_bytes=token_embd,
         tied_output=not any(name == "output.weight" for name, _, _ in tensors),
@@ -209,100 +215,34 @@ def read_gguf(path: Path) -> GgufInfo:
     )
 
 
-def _open(path: Path) -> Any:
-    _check_header(path)
-    from gguf import GGUFReader
-
-    try:
-        return GGUFReader(path)
-    except FileNotFoundError as exc:
-        raise GgufError("missing", f"{path} does not exist") from exc
-    except PermissionError as exc:
-        raise GgufError("unreadable", f"{path} cannot be read ({exc.strerror})") from exc
-    except OSError as exc:
-        raise GgufError("unreadable", f"{path} cannot be read ({exc})") from exc
-    except (ValueError, IndexError, KeyError, TypeError) as exc:
-        # gguf-py raises ValueError("GGUF magic invalid") for another format, and index or
-        # key errors on a header cut short (a download that stopped).
-        raise GgufError("invalid", f"{path} is not a GGUF file llama.cpp can read ({exc})") from exc
-
-
-def _check_header(path: Path) -> None:
-    """Refuse before the reader maps the file: what is not a regular file (a FIFO blocks the
-    open for ever), and counts of tensors or key/value pairs that the file is too small to hold
-    (each takes bytes of its own); the reader would otherwise trust them."""
-    try:
-        info = path.stat()
-    except FileNotFoundError:
-        raise GgufError("missing", f"{path} does not exist") from None
-    except OSError as exc:
-        raise GgufError("unreadable", f"{path} cannot be read ({exc.strerror or exc})") from None
-    if stat.S_ISDIR(info.st_mode):
-        raise GgufError("invalid", f"{path} is a folder, not a .gguf file")
-    if not stat.S_ISREG(info.st_mode):
-        raise GgufError("invalid", f"{path} is not a regular file (a pipe, socket or device): "
-                        "a model is read from a file")
-    try:
-        with path.open("rb") as handle:
-            head = handle.read(HEADER_BYTES)
-    except OSError as exc:
-        raise GgufError("unreadable", f"{path} cannot be read ({exc.strerror or exc})") from None
-    if len(head) < HEADER_BYTES or head[:4] != GGUF_MAGIC:
-        return  # not GGUF, or cut short: the reader says so in its words
-    # A file written big-endian reads as version 0x0N000000 here (the reader's own test).
-    order = ">" if struct.unpack("<I", head[4:8])[0] & 0xFFFF == 0 else "<"
-    tensors, pairs = struct.unpack(order + "QQ", head[8:24])
-    room = info.st_size - HEADER_BYTES
-    for what, count, least in (("tensors", tensors, MIN_TENSOR_INFO), ("key/value pairs", pairs,
-                                                                        MIN_KV_PAIR)):
-        if count * least > room:
-            raise GgufError("invalid", f"{path} claims {count} {what} in a {info.st_size}-byte "
-                            "file: not a GGUF file llama.cpp can read")
-
-
-def _value(reader: Any, key: str) -> Any:
-    found = reader.fields.get(key)
-    return None if found is None else found.contents()
-
-
-def _int(reader: Any, key: str) -> int | None:
-    value = _value(reader, key)
-    return int(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
-
-
-def _str(reader: Any, key: str) -> str:
-    value = _value(reader, key)
-    return value if isinstance(value, str) else ""
-
-
-def _per_layer(value: Any, blocks: int, fallback: int) -> tuple[int, ...]:
+def _per_layer(value: int | list[int] | None, blocks: int, fallback: int) -> tuple[int, ...]:
     if isinstance(value, list):
-        return tuple(int(v) for v in value[:blocks]) + (fallback,) * max(0, blocks - len(value))
-    number = int(value) if isinstance(value, int | float) else fallback
-    return (number,) * blocks
+        return tuple(value[:blocks]) + (fallback,) * max(0, blocks - len(value))
+    return (fallback if value is None else value,) * blocks
 
 
-def _recurrent_layers(reader: Any, arch: str, blocks: int, kv_heads: tuple[int, ...]) -> tuple[bool, ...]:
+def _recurrent_layers(header: GgufHeader, arch: str, blocks: int,
+                      kv_heads: tuple[int, ...]) -> tuple[bool, ...]:
     """Which layers are Mamba/GDN layers (src/llama-hparams, the arch's load_arch_hparams)."""
-    listed = _value(reader, f"{arch}.attention.recurrent_layers")
-    if isinstance(listed, list):
-        return tuple(bool(v) for v in listed[:blocks]) + (False,) * max(0, blocks - len(listed))
-    if _int(reader, f"{arch}.ssm.inner_size") is None:
+    listed = header.flags(f"{arch}.attention.recurrent_layers")
+    if listed is not None:
+        return tuple(listed[:blocks]) + (False,) * max(0, blocks - len(listed))
+    if header.count(f"{arch}.ssm.inner_size") is None:
         return (False,) * blocks
-    interval = _int(reader, f"{arch}.full_attention_interval")
+    interval = header.count(f"{arch}.full_attention_interval")
     if interval is None and arch in INTERVAL_4_ARCHS:
         interval = 4
     if interval:
-        main = blocks - (_int(reader, f"{arch}.nextn_predict_layers") or 0)
+        main = blocks - (header.count(f"{arch}.nextn_predict_layers") or 0)
         return tuple(il < main and (il + 1) % interval != 0 for il in range(blocks))
     # Other hybrids mark their recurrent layers with 0 KV heads; a pure Mamba has none.
     return tuple(heads == 0 for heads in kv_heads)
 
 
-def _recurrent_state_bytes(reader: Any, arch: str) -> int:
+def _recurrent_state_bytes(header: GgufHeader, arch: str) -> int:
     """Conv + SSM state per sequence per recurrent layer (llama_hparams::n_embd_r/n_embd_s)."""
-    conv, inner = _int(reader, f"{arch}.ssm.conv_kernel"), _int(reader, f"{arch}.ssm.inner_size")
-    state, groups = _int(reader, f"{arch}.ssm.state_size"), _int(reader, f"{arch}.ssm.group_count")
+    conv, inner = header.count(f"{arch}.ssm.conv_kernel"), header.count(f"{arch}.ssm.inner_size")
+    state, groups = header.count(f"{arch}.ssm.state_size"), header.count(f"{arch}.ssm.group_count")
     if not inner or not state:
         return 0
     conv_state = max((conv or 0) - 1, 0) * (inner + 2 * (groups or 0) * state)

@@ -15,7 +15,9 @@ import json
 from pathlib import Path
 
 from vllmstack.checks.context import CheckContext
+from vllmstack.core.cpu import describe_isa
 from vllmstack.core.findings import Finding
+from vllmstack.image.cpu import fp8_kv_serves, is_cpu_platform
 from vllmstack.tune.kv_copy import (
     KV_SCALES_KEY,
     CalibrationError,
@@ -75,6 +77,26 @@ def _calibrated_setting(ctx: CheckContext, folder: Path | None) -> list[Finding]
                 f"`up` serves the calibrated copy {target}: it measures the scales first when the "
                 "copy is missing or stale (minutes), and uses it as it is when fresh", None))
     return found
+
+
+def rule_cpu_fp8_kv(ctx: CheckContext) -> list[Finding]:
+    """vLLM's CPU build keeps an fp8 KV cache only on x86 with AVX-512 or AMX (image/cpu.py,
+    fp8_kv_serves); the engine runs on this host's CPU natively and in a container alike, so a
+    CPU without them is refused here instead of in the engine's attention backend a boot later."""
+    dtype = ctx.get("VLLM_KV_CACHE_DTYPE")
+    if not is_cpu_platform(ctx.resolved) or not dtype.startswith("fp8") or \
+            not ctx.usable("VLLM_KV_CACHE_DTYPE"):
+        return []
+    flags = set(ctx.host_cpu_flags())
+    if not flags or fp8_kv_serves(flags):
+        return []  # unknown flags: not held against it
+    return [ctx.finding(
+        "error", "cpu-fp8-kv", "VLLM_KV_CACHE_DTYPE",
+        f"VLLM_KV_CACHE_DTYPE={dtype} on vLLM's CPU build needs AVX-512 or AMX (its cpu_attn "
+        f"backend refuses it otherwise: \"FP8 KV cache on CPU requires x86 with AVX-512 or AMX.\"), "
+        f"and this CPU has {describe_isa(flags)}",
+        "serve it with VLLM_KV_CACHE_DTYPE=auto on this host (the calibrated copy's scales are "
+        "then unused), or on a CPU with AVX-512/AMX or a GPU")]
 
 
 def rule_kv_scales(ctx: CheckContext) -> list[Finding]:

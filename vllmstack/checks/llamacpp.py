@@ -19,6 +19,7 @@ from __future__ import annotations
 from vllmstack.checks.context import CheckContext
 from vllmstack.checks.files import _check_mounted
 from vllmstack.checks.gguf import ARCHS_REF, GgufError, GgufInfo, GgufRead, known_archs, read_setting
+from vllmstack.checks.gguf_header import shown
 from vllmstack.config.engine import BACKEND_FOR_VENDOR, llamacpp_backend
 from vllmstack.config.llamacpp_args import (
     DRAFT_KEY,
@@ -88,7 +89,7 @@ def rule_gguf_files(ctx: CheckContext) -> list[Finding]:
                  f"{info.head_dim}" if info.head_count else "")
         out.append(ctx.finding(
             "info", "gguf-header", MODEL_KEY,
-            f"{info.path.name}: {info.arch} '{info.name}', {info.quant}, "
+            f"{info.path.name}: {shown(info.arch)} {shown(info.name)}, {info.quant}, "
             f"{_size(info.tensor_bytes)} of tensors, {info.block_count} layers{heads}, "
             f"trained context {info.context_length or 'unknown'}"))
     return out
@@ -126,7 +127,7 @@ def rule_gguf_arch(ctx: CheckContext) -> list[Finding]:
     pinned = ref == ARCHS_REF
     return [ctx.finding(
         "error" if pinned else "warning", "gguf-unknown-arch", MODEL_KEY,
-        f"{info.path.name} is architecture '{info.arch}', which llama.cpp b{ARCHS_REF} does not "
+        f"{info.path.name} is architecture {shown(info.arch)}, which llama.cpp b{ARCHS_REF} does not "
         "know: llama-server would stop with `unknown model architecture`"
         + ("" if pinned else f" (the list is b{ARCHS_REF}'s; LLAMACPP_REF is {ref}: it may know it)"),
         fix="use a GGUF of a supported architecture, or a newer llama.cpp (LLAMACPP_REF, then "

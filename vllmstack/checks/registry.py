@@ -28,7 +28,7 @@ from vllmstack.checks.inputs import (
     rule_mount_paths,
     rule_profile_host_keys,
 )
-from vllmstack.checks.kv_scales import rule_kv_scales
+from vllmstack.checks.kv_scales import rule_cpu_fp8_kv, rule_kv_scales
 from vllmstack.checks.llamacpp import (
     rule_gguf_arch,
     rule_gguf_files,
@@ -86,6 +86,7 @@ RULES: tuple[Rule, ...] = (
     rule_llamacpp_memory,
     rule_tuned_configs,
     rule_kv_scales,
+    rule_cpu_fp8_kv,
     rule_rocm,
     rule_pins,
     rule_overlays,
@@ -100,6 +101,7 @@ RULE_ENGINES: Mapping[Rule, tuple[str, ...]] = MappingProxyType({
     rule_argv: _VLLM,
     rule_files_exist: _VLLM,
     rule_kv_scales: _VLLM,
+    rule_cpu_fp8_kv: _VLLM,
     rule_chat_template: _VLLM,
     rule_spec_decode: _VLLM,
     rule_scheduler: _VLLM,

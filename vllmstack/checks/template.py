@@ -14,7 +14,9 @@ renders it (chat_render.py), in both thinking modes. Properties:
 
 Token waste (template tokens per message, beyond the messages' own) is measured when a
 tokenizer is given. The properties need no tokenizer and take milliseconds, so `invoke check`
-runs them for every profile that sets VLLM_CHAT_TEMPLATE.
+runs them for every profile that sets VLLM_CHAT_TEMPLATE. Both commands render through
+`check_source`: the file read with chat_render's guards, every render of the check in one child
+under chat_render's LIMITS (10 s, 512 MiB); what a template says is quoted in the report.
 """
 
 from __future__ import annotations
@@ -23,34 +25,50 @@ import json
 import re
 import shlex
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from vllmstack.checks.chat_render import ChatTemplate, TemplateError
-from vllmstack.checks.context import CheckContext
+from vllmstack.checks.chat_render import (
+    LIMITS,
+    ChatTemplate,
+    RenderLimits,
+    TemplateError,
+    TemplateLimitError,
+    quote,
+    read_template_text,
+    run_sandboxed,
+)
 from vllmstack.checks.template_corpus import (
     ASSISTANT_HEADER,
+    CONTEXT_BYTES,
     CORPUS,
     END,
     THINK_CLOSE,
     THINK_OPEN,
     Conversation,
     Reply,
+    around,
+    content_text,
     echoed_message,
+    first_difference,
     generated_text,
+    longest_prefix_in,
+    short,
 )
 from vllmstack.checks.tool_formats import FORMATS, ToolFormatError, parser_format, read_calls
-from vllmstack.config.profiles import Resolved
-from vllmstack.core.findings import Finding
-from vllmstack.core.paths import Project
+
+if TYPE_CHECKING:  # annotations only: the render's child imports this module, and imports little
+    from vllmstack.checks.context import CheckContext
+    from vllmstack.config.profiles import Resolved
+    from vllmstack.core.findings import Finding
+    from vllmstack.core.paths import Project
 
 PROPERTIES = ("renders", "thinking-off", "tools", "prefix-stable")
 TEMPLATE_DIR = "chat-templates"
 TEMPLATE_KEY = "VLLM_CHAT_TEMPLATE"
 KWARGS_KEY = "VLLM_CHAT_TEMPLATE_KWARGS"
 VERSION_LINE = re.compile(r"template_version\s*[:=]\s*([A-Za-z0-9][\w.+-]*)")
-CONTEXT_BYTES = 32  # bytes shown either side of a difference
 
 Counter = Callable[[str], int]
 
@@ -125,40 +143,15 @@ def template_version(source: str) -> str | None:
     return found.group(1) if found else None
 
 
-def read_template(path: Path, name: str | None = None) -> ChatTemplate:
-    shown = name or str(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError as exc:
-        raise TemplateError(f"chat template {shown} does not exist",
-                            f"pass an existing file; shipped: {shipped_names(path.parent)}") from exc
-    except (OSError, UnicodeDecodeError) as exc:
-        raise TemplateError(f"chat template {shown} cannot be read: {exc}",
-                            "save it as UTF-8 text") from exc
-    return ChatTemplate(text, shown)
+def read_template_source(path: Path, name: str | None = None) -> str:
+    """The template's text; refused unless a regular UTF-8 file within the size limit."""
+    return read_template_text(path, name or str(path), max_bytes=LIMITS.file_bytes,
+                              missing_fix=f"pass an existing file; shipped: {shipped_names(path.parent)}")
 
 
 def shipped_names(folder: Path) -> str:
     names = sorted(p.name for p in folder.glob("*.jinja")) if folder.is_dir() else []
     return ", ".join(names) or "(none)"
-
-
-def model_template(folder: Path) -> str | None:
-    """The model's own template from its tokenizer files: chat_template.jinja, else
-    tokenizer_config.json's chat_template (a string, or named templates: the "default" one)."""
-    jinja = folder / "chat_template.jinja"
-    if jinja.is_file():
-        return jinja.read_text(encoding="utf-8")
-    config = folder / "tokenizer_config.json"
-    try:
-        data = json.loads(config.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    template = data.get("chat_template") if isinstance(data, dict) else None
-    if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
-    return template if isinstance(template, str) else None
 
 
 def profile_template(project: Project, resolved: Resolved) -> Path | None:
@@ -195,11 +188,45 @@ def profile_kwargs(resolved: Resolved) -> dict[str, Any]:
 
 # --- playing the corpus ---------------------------------------------------------------------
 
+def check_source(source: str, name: str, *, parser: str | None = None,
+                 kwargs: Mapping[str, Any] | None = None, count_tokens: Counter | None = None,
+                 limits: RenderLimits = LIMITS) -> TemplateReport:
+    """check_template of a template's text, every render in one child under `limits`: a
+    template that does not compile is a TemplateError, one past a limit a TemplateLimitError."""
+    answer = run_sandboxed("vllmstack.checks.template:sandboxed_report",
+                           {"source": source, "name": name, "parser": parser,
+                            "kwargs": dict(kwargs or {}), "waste": count_tokens is not None},
+                           name, limits, remember=count_tokens is None)
+    data = dict(answer["report"])
+    report = TemplateReport(**{**data, "failures": [Failure(**f) for f in data["failures"]]})
+    if count_tokens is not None:
+        report.waste = [_waste(w, count_tokens) for w in answer["waste"]]
+    return report
+
+
+def sandboxed_report(payload: Mapping[str, Any]) -> dict[str, Any]:
+    """check_source's side in the child: the report, and the texts token waste is counted on."""
+    template = ChatTemplate(payload["source"], payload["name"])
+    report, played = _play_corpus(template, payload["parser"], payload["kwargs"], CORPUS, None)
+    waste = [_waste_texts(run) for run in played if not run.thinking] if payload["waste"] else []
+    return {"report": asdict(report), "waste": waste}
+
+
 def check_template(template: ChatTemplate, *, parser: str | None = None,
                    kwargs: Mapping[str, Any] | None = None, count_tokens: Counter | None = None,
                    corpus: Sequence[Conversation] = CORPUS,
                    special_tokens: Mapping[str, str] | None = None) -> TemplateReport:
-    """Every property over every conversation of `corpus`, in both thinking modes."""
+    """Every property over every conversation of `corpus`, in both thinking modes, here and
+    without limits (check_source is the bounded one, for templates from outside)."""
+    report, played = _play_corpus(template, parser, kwargs, corpus, special_tokens)
+    if count_tokens is not None:
+        report.waste = [_waste(_waste_texts(run), count_tokens) for run in played if not run.thinking]
+    return report
+
+
+def _play_corpus(template: ChatTemplate, parser: str | None, kwargs: Mapping[str, Any] | None,
+                 corpus: Sequence[Conversation], special_tokens: Mapping[str, str] | None,
+                 ) -> tuple[TemplateReport, list[Played]]:
     defaults = dict(kwargs or {})
     wanted = defaults.get("tool_call_format")
     call_format = parser_format(parser) or (wanted if wanted in FORMATS else "json")
@@ -226,9 +253,7 @@ def check_template(template: ChatTemplate, *, parser: str | None = None,
             _check_thinking(run, report)
             _check_prefix(run, report)
         _check_tools(run, parser, report)
-    if count_tokens is not None:
-        report.waste = [_waste(run, count_tokens) for run in played if not run.thinking]
-    return report
+    return report, played
 
 
 def _play(template: ChatTemplate, conversation: Conversation, thinking: bool, call_format: str,
@@ -256,12 +281,14 @@ def _play(template: ChatTemplate, conversation: Conversation, thinking: bool, ca
         turn += 1
         run.final = template.render(history, tools=conversation.tools, kwargs=kwargs,
                                     add_generation_prompt=False, special_tokens=special_tokens)
+    except MemoryError:
+        raise  # the memory limit, reported as such (check_source), not as this case's failure
     except Exception as exc:  # a template can raise anything (TypeError on None + str, ...)
         kind = "raise_exception" if type(exc).__name__ == "TemplateError" else type(exc).__name__
         nulls = [str(i) for i, m in enumerate(history) if m.get("content") is None]
         report.failures.append(Failure(
             "renders", conversation.name, run.mode,
-            f"turn {turn} does not render: {kind}: {exc}{_template_line(exc)}"
+            f"turn {turn} does not render: {kind}: {quote(exc)}{_template_line(exc)}"
             + (f" (content is null in message {', '.join(nulls)} of {len(history)})" if nulls else "")))
         return None
     run.messages = history
@@ -301,7 +328,7 @@ def _check_thinking(run: Played, report: TemplateReport) -> None:
             report.failures.append(Failure(
                 "thinking-off", run.conversation.name, run.mode,
                 f"turn {turn}: the history reopens a think block at byte {unclosed} that is never "
-                f"closed: {_around(head, unclosed)}"))
+                f"closed: {around(head, unclosed)}"))
 
 
 def _unclosed_think(text: str) -> int | None:
@@ -360,14 +387,14 @@ def _check_tools(run: Played, parser: str | None, report: TemplateReport) -> Non
         _read_back(run, parser or "", call_format, sent, report)
     for message in run.messages:
         if message.get("role") == "tool":
-            text = _text(message.get("content"))
+            text = content_text(message.get("content"))
             if text not in run.final:
-                kept = _longest_prefix_in(text, run.final)
+                kept = longest_prefix_in(text, run.final)
                 report.failures.append(Failure(
                     "tools", run.conversation.name, run.mode,
                     f"the result of {message.get('tool_call_id')} is not rendered in full: the "
                     f"prompt has its first {kept} of {len(text.encode())} bytes, then "
-                    f"{_around(text, kept)} is missing"))
+                    f"{around(text, kept)} is missing"))
 
 
 def _read_back(run: Played, parser: str, call_format: str,
@@ -385,66 +412,35 @@ def _read_back(run: Played, parser: str, call_format: str,
     if read != sent:
         report.failures.append(Failure(
             "tools", run.conversation.name, run.mode,
-            f"--tool-call-parser {parser} reads {_short(read)} from the rendered history, but the "
-            f"client sent {_short(sent)} (does the template write calls in the {call_format} format? "
+            f"--tool-call-parser {parser} reads {short(read)} from the rendered history, but the "
+            f"client sent {short(sent)} (does the template write calls in the {call_format} format? "
             f"set it in {KWARGS_KEY})"))
 
 
-def _waste(run: Played, count: Counter) -> dict[str, Any]:
-    own = sum(count(text) for text in _own_texts(run))
-    total = count(run.final)
-    messages = max(1, len(run.messages))
+def _waste_texts(run: Played) -> dict[str, Any]:
     return {"conversation": run.conversation.name, "messages": len(run.messages),
+            "final": run.final, "own": list(_own_texts(run))}
+
+
+def _waste(texts: Mapping[str, Any], count: Counter) -> dict[str, Any]:
+    own = sum(count(text) for text in texts["own"])
+    total = count(texts["final"])
+    return {"conversation": texts["conversation"], "messages": texts["messages"],
             "prompt_tokens": total, "message_tokens": own, "template_tokens": total - own,
-            "per_message": round((total - own) / messages, 1)}
+            "per_message": round((total - own) / max(1, texts["messages"]), 1)}
 
 
 def _own_texts(run: Played) -> Iterable[str]:
     for tool in run.conversation.tools:
         yield json.dumps(tool.get("function", tool), ensure_ascii=False)
     for message in run.messages:
-        yield _text(message.get("content"))
+        yield content_text(message.get("content"))
         yield str(message.get("reasoning_content") or message.get("reasoning") or "").strip("\n")
         for call in message.get("tool_calls") or []:
             yield call["function"]["name"] + call["function"]["arguments"]
 
 
 # --- reporting ----------------------------------------------------------------------------------
-
-def first_difference(expected: str, got: str) -> str:
-    """Where two texts part, in UTF-8 bytes, with what each has there."""
-    a, b = expected.encode(), got.encode()
-    at = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-    lo = max(0, at - CONTEXT_BYTES)
-    return (f"first difference at byte {at}: expected {a[lo:at + CONTEXT_BYTES]!r}, "
-            f"rendered {b[lo:at + CONTEXT_BYTES]!r}")
-
-
-def _around(text: str, at: int) -> str:
-    return repr(text.encode()[max(0, at - CONTEXT_BYTES):at + CONTEXT_BYTES])
-
-
-def _short(value: Any, limit: int = 120) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "...'"
-
-
-def _text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return ""
-
-
-def _longest_prefix_in(text: str, haystack: str) -> int:
-    """Bytes of the longest prefix of `text` found in `haystack` (where a cut happened)."""
-    lo, hi = 0, len(text)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if text[:mid] in haystack else (lo, mid - 1)
-    return len(text[:lo].encode())
-
 
 def render_report(report: TemplateReport) -> str:
     version = f" (template_version {report.version})" if report.version else ""
@@ -470,15 +466,15 @@ def render_report(report: TemplateReport) -> str:
 def rule_chat_template(ctx: CheckContext) -> list[Finding]:
     """The profile's VLLM_CHAT_TEMPLATE keeps every property (a missing file is files.py's)."""
     path = profile_template(ctx.project, ctx.resolved)
-    if path is None or not path.is_file() or not ctx.usable(KWARGS_KEY):
-        return []
+    if path is None or not path.exists() or not ctx.usable(KWARGS_KEY):
+        return []  # a FIFO, device or folder there: read_template_source names what it is
     shown = f"{TEMPLATE_DIR}/{path.name}"
     try:
-        template = read_template(path, shown)
+        report = check_source(read_template_source(path, shown), shown,
+                              parser=profile_parser(ctx.resolved), kwargs=profile_kwargs(ctx.resolved))
     except TemplateError as exc:
-        return [ctx.finding("error", "chat-template-broken", TEMPLATE_KEY, exc.cause, fix=exc.fix)]
-    report = check_template(template, parser=profile_parser(ctx.resolved),
-                            kwargs=profile_kwargs(ctx.resolved))
+        code = "chat-template-limit" if isinstance(exc, TemplateLimitError) else "chat-template-broken"
+        return [ctx.finding("error", code, TEMPLATE_KEY, exc.cause, fix=exc.fix)]
     findings = []
     for prop in report.failed_properties():
         first = next(f for f in report.failures if f.prop == prop)

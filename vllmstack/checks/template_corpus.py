@@ -9,6 +9,9 @@ parsers hand back to the client (`echoed_message`), which is what the client sen
 Together the conversations cover: a system message or none, many turns, tool definitions,
 tool calls with `content: null`, parallel calls, long tool results (truncation shows), content
 as a list of parts (text and an image), non-ASCII text, and both thinking modes.
+
+Below them, the helpers that compare rendered text (`first_difference`, `around`, ...): what a
+report shows of a rendering is bytes in repr, so nothing a template writes reaches a terminal raw.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ ASSISTANT_HEADER = "<|im_start|>assistant\n"
 END = "<|im_end|>"
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
+CONTEXT_BYTES = 32  # bytes shown either side of a difference
 
 
 @dataclass(frozen=True)
@@ -201,3 +205,39 @@ CORPUS: tuple[Conversation, ...] = (
     )),
 )
 
+
+# --- comparing rendered text (what the reports show of it is bytes, repr-quoted) ------------------
+
+def first_difference(expected: str, got: str) -> str:
+    """Where two texts part, in UTF-8 bytes, with what each has there."""
+    a, b = expected.encode(), got.encode()
+    at = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    lo = max(0, at - CONTEXT_BYTES)
+    return (f"first difference at byte {at}: expected {a[lo:at + CONTEXT_BYTES]!r}, "
+            f"rendered {b[lo:at + CONTEXT_BYTES]!r}")
+
+
+def around(text: str, at: int) -> str:
+    return repr(text.encode()[max(0, at - CONTEXT_BYTES):at + CONTEXT_BYTES])
+
+
+def short(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "...'"
+
+
+def content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return ""
+
+
+def longest_prefix_in(text: str, haystack: str) -> int:
+    """Bytes of the longest prefix of `text` found in `haystack` (where a cut happened)."""
+    lo, hi = 0, len(text)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if text[:mid] in haystack else (lo, mid - 1)
+    return len(text[:lo].encode())

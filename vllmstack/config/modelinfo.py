@@ -6,14 +6,26 @@ Hugging Face id (VLLM_MODEL_ID, else VLLM_MODEL) has a snapshot in the local HF 
 
 from __future__ import annotations
 
-import json
+import contextlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllmstack.config.hfconfig import full_attention_layers, text_config
+from vllmstack.config.hfconfig import (
+    LAYERS,
+    POSITIONS,
+    SIZE,
+    WIDTH,
+    HfConfig,
+    ModelConfigError,
+    expert_count,
+    full_attention_layers,
+    linear_attention,
+    quant_method,
+    read_config,
+)
 from vllmstack.config.profiles import Resolved
 from vllmstack.config.weights import estimate_weight_gib
 from vllmstack.core.paths import home_dir
@@ -58,6 +70,8 @@ class ModelFacts:
     # field -> where it came from ("config.json at PATH" or "MODEL_X @ file:line")
     sources: dict[str, str] = field(default_factory=dict)
     model_dir: Path | None = None
+    # Why config.json gave no facts (load_model_facts(strict=False)); None when it did or is absent.
+    config_problem: ModelConfigError | None = None
 
     @property
     def is_hybrid(self) -> bool:
@@ -115,47 +129,46 @@ def locate_model_dir(
     return candidates[0] if candidates else None
 
 
-def facts_from_config(config: dict[str, Any]) -> dict[str, Any]:
-    """Geometry from a Hugging Face config.json (dense, MoE, and GDN/Mamba hybrids)."""
-    cfg = text_config(config)
+def facts_from_config(config: dict[str, Any], path: Path | None = None) -> dict[str, Any]:
+    """Geometry from a Hugging Face config.json (dense, MoE, and GDN/Mamba hybrids).
+
+    A field that is there must be what vLLM reads it as (hfconfig: ModelConfigError naming the
+    key and `path`); one that is missing stays unknown, as the checks treat it."""
+    cfg = HfConfig(config, path)
     out: dict[str, Any] = {}
-    layers = cfg.get("num_hidden_layers")
-    heads = cfg.get("num_attention_heads")
-    hidden = cfg.get("hidden_size")
+    layers = cfg.number("num_hidden_layers", LAYERS)
+    heads = cfg.number("num_attention_heads", LAYERS)
+    hidden = cfg.number("hidden_size", WIDTH)
     out["num_layers"] = layers
     out["num_attention_heads"] = heads
-    out["num_kv_heads"] = cfg.get("num_key_value_heads", heads)
     out["hidden_size"] = hidden
-    head_dim = cfg.get("head_dim")
+    kv_heads = cfg.number("num_key_value_heads", LAYERS)
+    out["num_kv_heads"] = heads if kv_heads is None else kv_heads
+    head_dim = cfg.number("head_dim", WIDTH)
     if head_dim is None and hidden and heads:
-        head_dim = hidden // heads
+        head_dim = hidden // heads or None
     out["head_dim"] = head_dim
-    out["intermediate_size"] = cfg.get("intermediate_size")
-    experts = cfg.get("num_experts") or cfg.get("n_routed_experts") or cfg.get("num_local_experts")
-    out["num_experts"] = experts or 0
-    out["moe_intermediate_size"] = cfg.get("moe_intermediate_size") or 0
-    max_pos = cfg.get("max_position_embeddings")
-    out["max_position_embeddings"] = max_pos
+    out["intermediate_size"] = cfg.number("intermediate_size", SIZE)
+    experts = expert_count(cfg)
+    out["num_experts"] = experts
+    out["moe_intermediate_size"] = cfg.number("moe_intermediate_size", SIZE) or 0
+    out["max_position_embeddings"] = cfg.number("max_position_embeddings", POSITIONS)
 
-    full = full_attention_layers(cfg)
-    out["full_attention_layers"] = full
-    linear_layers = (layers or 0) - (full or 0)
-    hybrid = linear_layers > 0 and "linear_num_value_heads" in cfg
-    if hybrid:
-        k_heads, v_heads = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
-        k_dim, v_dim = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
-        kernel = cfg.get("linear_conv_kernel_dim", 4)
-        conv_dim = k_dim * k_heads * 2 + v_dim * v_heads
+    out["full_attention_layers"] = full_attention_layers(cfg)
+    linear = linear_attention(cfg)
+    if linear is not None:
+        conv_dim = linear.key_dim * linear.key_heads * 2 + linear.value_dim * linear.value_heads
         # Qwen3.5-style checkpoints keep the recurrent state in fp32 (mamba_ssm_dtype).
-        ssm_bytes = 4 if str(cfg.get("mamba_ssm_dtype", "float32")) == "float32" else 2
-        per_layer = conv_dim * (kernel - 1) * 2 + v_heads * v_dim * k_dim * ssm_bytes
-        out["mamba_state_mib"] = round(per_layer * linear_layers / MIB, 1)
+        ssm_bytes = 4 if (cfg.text("mamba_ssm_dtype") or "float32") == "float32" else 2
+        per_layer = (conv_dim * (linear.conv_kernel - 1) * 2
+                     + linear.value_heads * linear.value_dim * linear.key_dim * ssm_bytes)
+        out["mamba_state_mib"] = round(per_layer * linear.layers / MIB, 1)
+    hybrid = linear is not None
     out["kind"] = ("hybrid" if hybrid else "dense") + ("-moe" if hybrid and experts else "")
     if not hybrid and experts:
         out["kind"] = "moe"
-    quant = cfg.get("quantization_config") or config.get("quantization_config")
-    if isinstance(quant, dict):
-        method = str(quant.get("quant_method", "")).lower()
+    method = quant_method(cfg)
+    if method is not None:
         out["quant"] = {"fp8": "fp8", "awq": "awq", "gptq": "gptq"}.get(method, method)
     return {k: v for k, v in out.items() if v is not None}
 
@@ -164,11 +177,21 @@ def weight_gib_on_disk(model_dir: Path) -> float | None:
     files = list(model_dir.glob("*.safetensors")) or list(model_dir.glob("*.bin"))
     if not files:
         return None
-    return sum(f.resolve().stat().st_size for f in files) / GIB
+    total = 0
+    for file in files:
+        # A dangling link or an unreadable file weighs nothing here; the engine names it.
+        with contextlib.suppress(OSError):
+            total += file.resolve().stat().st_size
+    return total / GIB
 
 
-def load_model_facts(resolved: Resolved, environ: Mapping[str, str]) -> ModelFacts:
-    """Profile geometry first, then config.json (when on disk) wins field by field."""
+def load_model_facts(resolved: Resolved, environ: Mapping[str, str], *,
+                     strict: bool = True) -> ModelFacts:
+    """Profile geometry first, then config.json (when on disk) wins field by field.
+
+    A config.json that cannot be used (hfconfig.read_config) or holds a bad field raises
+    ModelConfigError; with `strict=False` (the checks, which report it as a finding) it is kept
+    in `facts.config_problem` instead, and the config gives no facts at all."""
     facts = ModelFacts()
     for key, attr in PROFILE_FACTS.items():
         raw = resolved.get(key)
@@ -193,31 +216,34 @@ def load_model_facts(resolved: Resolved, environ: Mapping[str, str]) -> ModelFac
     override = resolved.get_str("VLLM_HF_CONFIG_PATH")
     config_dir = Path(override).expanduser() if override else model_dir
     facts.model_dir = model_dir
-    config_path = config_dir / "config.json" if config_dir else None
-    config: Any = None
-    if config_path is not None and config_path.is_file():
-        try:
-            config = json.loads(config_path.read_text())
-        except (OSError, json.JSONDecodeError, RecursionError, UnicodeDecodeError):
-            config = None
-        if isinstance(config, dict):
-            for attr, value in facts_from_config(config).items():
-                setattr(facts, attr, value)
-                facts.sources[attr] = f"config.json at {config_path}"
-    if model_dir is not None:
-        size = weight_gib_on_disk(model_dir)
-        if size:
-            facts.weight_gib = round(size, 2)
-            facts.sources["weight_gib"] = f"weights on disk at {model_dir}"
-        elif isinstance(config, dict):
-            # A folder with a config and no weights is served with --load-format dummy: its
-            # geometry and dtype decide the size, not the profile's (other, often quantized)
-            # checkpoint: so the config's own quantization, not the profile's MODEL_QUANT.
-            estimate = estimate_weight_gib(config, facts_from_config(config).get("quant"))
-            if estimate:
-                facts.weight_gib = estimate
-                facts.sources["weight_gib"] = (
-                    f"estimated from config.json at {config_path} (no weight files in {model_dir})")
+    # A config folder that is not there is the files check's finding, not a read error.
+    config_path = config_dir / "config.json" if config_dir and config_dir.is_dir() else None
+    on_disk = weight_gib_on_disk(model_dir) if model_dir is not None else None
+    found: dict[str, Any] = {}
+    estimate = None
+    try:
+        config = read_config(config_path) if config_path is not None else None
+        if config is not None:
+            found = facts_from_config(config, config_path)
+            if model_dir is not None and not on_disk:
+                # A folder with a config and no weights is served with --load-format dummy: its
+                # geometry and dtype decide the size, not the profile's (other, often
+                # quantized) checkpoint: so the config's own quantization, not MODEL_QUANT.
+                estimate = estimate_weight_gib(config, found.get("quant"), config_path)
+    except ModelConfigError as exc:
+        if strict:
+            raise
+        facts.config_problem, found, estimate = exc, {}, None
+    for attr, value in found.items():
+        setattr(facts, attr, value)
+        facts.sources[attr] = f"config.json at {config_path}"
+    if on_disk:
+        facts.weight_gib = round(on_disk, 2)
+        facts.sources["weight_gib"] = f"weights on disk at {model_dir}"
+    elif estimate:
+        facts.weight_gib = estimate
+        facts.sources["weight_gib"] = (
+            f"estimated from config.json at {config_path} (no weight files in {model_dir})")
     return facts
 
 

@@ -10,9 +10,20 @@ Gated DeltaNet hybrids, MTP layers included; vision towers are counted only roug
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from vllmstack.config.hfconfig import full_attention_layers, text_config
+from vllmstack.config.hfconfig import (
+    COUNT,
+    LAYERS,
+    SIZE,
+    VOCAB,
+    WIDTH,
+    HfConfig,
+    LinearAttention,
+    expert_count,
+    linear_attention,
+)
 
 GIB = 1024**3
 # Bytes per parameter of the quantized formats (4-bit plus group scales, rounded up).
@@ -20,86 +31,88 @@ QUANT_BYTES = {"fp8": 1.0, "awq": 0.56, "gptq": 0.56, "bitsandbytes": 0.56}
 DTYPE_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "float8_e4m3fn": 1.0}
 
 
-def _int(cfg: dict[str, Any], key: str, default: int = 0) -> int:
-    value = cfg.get(key)
-    return int(value) if isinstance(value, int | float) else default
-
-
-def _attention_params(cfg: dict[str, Any], hidden: int) -> int:
-    heads = _int(cfg, "num_attention_heads")
-    kv = _int(cfg, "num_key_value_heads", heads)
-    head_dim = _int(cfg, "head_dim", hidden // heads if heads else 0)
+def _attention_params(cfg: HfConfig, hidden: int, heads: int) -> int:
+    kv = cfg.number("num_key_value_heads", LAYERS) or heads
+    head_dim = cfg.number("head_dim", WIDTH) or hidden // heads
     # Qwen3.5/3.6 full-attention layers gate their output: q_proj is twice as wide.
-    q_width = heads * head_dim * (2 if cfg.get("attn_output_gate", "linear_num_value_heads" in cfg)
-                                  else 1)
+    gated = cfg.flag("attn_output_gate", cfg.has("linear_num_value_heads"))
+    q_width = heads * head_dim * (2 if gated else 1)
     return hidden * q_width + 2 * hidden * kv * head_dim + heads * head_dim * hidden
 
 
-def _linear_attention_params(cfg: dict[str, Any], hidden: int) -> int:
-    k_heads, v_heads = _int(cfg, "linear_num_key_heads"), _int(cfg, "linear_num_value_heads")
-    k_dim, v_dim = _int(cfg, "linear_key_head_dim"), _int(cfg, "linear_value_head_dim")
+def _linear_attention_params(linear: LinearAttention, hidden: int) -> int:
+    k_heads, v_heads, k_dim, v_dim = (linear.key_heads, linear.value_heads, linear.key_dim,
+                                      linear.value_dim)
     qkvz = hidden * (2 * k_heads * k_dim + 2 * v_heads * v_dim)
     ba = hidden * 2 * v_heads
-    conv = (2 * k_heads * k_dim + v_heads * v_dim) * _int(cfg, "linear_conv_kernel_dim", 4)
+    conv = (2 * k_heads * k_dim + v_heads * v_dim) * linear.conv_kernel
     return qkvz + ba + conv + v_heads * v_dim * hidden
 
 
-def _mlp_params(cfg: dict[str, Any], hidden: int) -> int:
-    experts = (_int(cfg, "num_experts") or _int(cfg, "n_routed_experts")
-               or _int(cfg, "num_local_experts"))
+def _mlp_params(cfg: HfConfig, hidden: int) -> int:
+    experts = expert_count(cfg)
+    intermediate = cfg.number("intermediate_size", SIZE) or 0
     if not experts:
-        return 3 * hidden * _int(cfg, "intermediate_size")
-    moe = _int(cfg, "moe_intermediate_size", _int(cfg, "intermediate_size"))
-    shared = _int(cfg, "shared_expert_intermediate_size")
+        return 3 * hidden * intermediate
+    moe = cfg.number("moe_intermediate_size", SIZE)
+    moe = intermediate if moe is None else moe
+    shared = cfg.number("shared_expert_intermediate_size", SIZE) or 0
     return experts * 3 * hidden * moe + hidden * experts + (3 * hidden * shared + hidden
                                                             if shared else 0)
 
 
-def _vision_params(config: dict[str, Any]) -> int:
-    vision = config.get("vision_config")
-    if not isinstance(vision, dict):
+def _vision_params(cfg: HfConfig) -> int:
+    vision = cfg.section("vision_config", top=True)
+    if vision is None:
         return 0
-    depth = _int(vision, "depth") or _int(vision, "num_hidden_layers")
-    width = _int(vision, "hidden_size")
-    inner = _int(vision, "intermediate_size", 4 * width)
+    depth = vision.number("depth", COUNT) or vision.number("num_hidden_layers", COUNT) or 0
+    width = vision.number("hidden_size", SIZE) or 0
+    inner = vision.number("intermediate_size", SIZE)
+    inner = 4 * width if inner is None else inner
     return depth * (4 * width * width + 2 * width * inner)
 
 
-def estimate_params(config: dict[str, Any]) -> int | None:
-    """Parameters of a checkpoint with this config.json; None if its geometry is incomplete."""
-    cfg = text_config(config)
-    hidden, layers = _int(cfg, "hidden_size"), _int(cfg, "num_hidden_layers")
-    vocab = _int(cfg, "vocab_size")
-    if not (hidden and layers and vocab and _int(cfg, "num_attention_heads")):
+def estimate_params(config: dict[str, Any], path: Path | None = None) -> int | None:
+    """Parameters of a checkpoint with this config.json; None if its geometry is incomplete.
+    A field that is there but bad is a ModelConfigError naming it and `path`."""
+    cfg = HfConfig(config, path)
+    hidden, layers = cfg.number("hidden_size", WIDTH), cfg.number("num_hidden_layers", LAYERS)
+    vocab = cfg.number("vocab_size", VOCAB)
+    heads = cfg.number("num_attention_heads", LAYERS)
+    if not (hidden and layers and vocab and heads):
         return None
     # Layers without full attention are Gated DeltaNet layers in a hybrid; elsewhere (sliding
     # window) they hold the same weights as full-attention ones.
-    hybrid = "linear_num_value_heads" in cfg
-    linear = layers - (full_attention_layers(cfg) or layers) if hybrid else 0
-    full = layers - linear
-    attention = _attention_params(cfg, hidden)
+    linear = linear_attention(cfg)
+    linear_layers = linear.layers if linear is not None else 0
+    full = layers - linear_layers
+    attention = _attention_params(cfg, hidden, heads)
     mlp = _mlp_params(cfg, hidden)
-    total = full * (attention + mlp) + linear * (_linear_attention_params(cfg, hidden) + mlp)
-    tied = cfg.get("tie_word_embeddings", config.get("tie_word_embeddings", False))
+    total = full * (attention + mlp)
+    if linear is not None:
+        total += linear_layers * (_linear_attention_params(linear, hidden) + mlp)
+    tied = cfg.flag("tie_word_embeddings", False)
     total += vocab * hidden * (1 if tied else 2)
     # MTP draft layers live in the same checkpoint: a full layer each plus the 2h -> h merge.
-    mtp = _int(cfg, "mtp_num_hidden_layers") or _int(cfg, "num_nextn_predict_layers")
+    mtp = (cfg.number("mtp_num_hidden_layers", COUNT)
+           or cfg.number("num_nextn_predict_layers", COUNT) or 0)
     total += mtp * (attention + mlp + 2 * hidden * hidden)
-    return total + _vision_params(config)
+    return total + _vision_params(cfg)
 
 
-def bytes_per_param(config: dict[str, Any], quant: str | None) -> float:
+def bytes_per_param(config: dict[str, Any], quant: str | None, path: Path | None = None) -> float:
     if quant and quant in QUANT_BYTES:
         return QUANT_BYTES[quant]
-    inner = config.get("text_config")
-    dtype = config.get("torch_dtype") or config.get("dtype")
-    if dtype is None and isinstance(inner, dict):
-        dtype = inner.get("torch_dtype") or inner.get("dtype")
+    cfg = HfConfig(config, path)
+    # The top level's dtype first: a multimodal checkpoint's towers share it.
+    dtype = (cfg.text("torch_dtype", top=True) or cfg.text("dtype", top=True)
+             or cfg.text("torch_dtype") or cfg.text("dtype"))
     return DTYPE_BYTES.get(str(dtype), 2.0)
 
 
-def estimate_weight_gib(config: dict[str, Any], quant: str | None) -> float | None:
-    params = estimate_params(config)
+def estimate_weight_gib(config: dict[str, Any], quant: str | None,
+                        path: Path | None = None) -> float | None:
+    params = estimate_params(config, path)
     if params is None:
         return None
-    return round(params * bytes_per_param(config, quant) / GIB, 2)
+    return round(params * bytes_per_param(config, quant, path) / GIB, 2)

@@ -90,6 +90,100 @@ def write_json(path: Path, data: Any, mode: int = 0o644) -> None:
     write_text(path, json.dumps(data, indent=2) + "\n", mode)
 
 
+# --- paths a user names: a folder to write into, a file to replace
+#
+# `--out` and the like are the user's text: a file where a folder belongs (or the reverse), a
+# folder under a file, a device, /proc. Each is refused by what it is, before anything is
+# written, instead of surfacing as mkdir's FileExistsError or rmtree's NotADirectoryError.
+# The kernel's own trees: nothing a command writes belongs there (/dev holds devices, and a
+# file written there as root is lost at the next boot).
+PSEUDO_TREES = {"/proc": "the kernel's process tree", "/sys": "the kernel's sysfs",
+                "/dev": "the device tree"}
+
+
+class PathKindError(StackError):
+    """A path a user named exists as the wrong kind (a file where a folder belongs, a device),
+    lies under a file, or lies in a tree of the kernel's; says which and what to name instead."""
+
+
+def path_kind(mode: int) -> str:
+    """What an inode is, as a user reads it: "a file", "a folder", "a device", ..."""
+    if stat.S_ISREG(mode):
+        return "a file"
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "not a file or folder"
+
+
+def writable_folder(path: Path, option: str) -> Path:
+    """`path` (absolute) when it is a folder this user may write into, or one that can be made
+    there; PathKindError otherwise, named after `option` (e.g. "--out"): an existing file, device
+    or FIFO; a path under a file; a path under /proc, /sys or /dev; a nearest existing folder the
+    user cannot write. Links are followed, as a write would follow them."""
+    path = path.expanduser().absolute()
+    shown = f"{option} {path}"
+    existing = path
+    while True:  # the nearest part of the path that exists (/ always does)
+        try:
+            info = existing.stat()
+            break
+        except (FileNotFoundError, NotADirectoryError):
+            existing = existing.parent
+        except OSError as exc:  # a link loop, a name too long, no permission to look
+            raise PathKindError(f"{shown} cannot be used ({exc.strerror or exc})",
+                                f"name another folder for {option}") from None
+    kind = path_kind(info.st_mode)
+    if not stat.S_ISDIR(info.st_mode):
+        if existing == path:
+            aside = "" if kind == "a device" else f", or move {path} aside"
+            raise PathKindError(f"{shown} is {kind}, not a folder",
+                                f"name a folder for {option} (it is made when missing){aside}")
+        raise PathKindError(f"{shown} is under {existing}, which is {kind}, not a folder",
+                            f"name a folder for {option} whose parents are folders")
+    real = Path(os.path.realpath(existing))
+    for tree, what in PSEUDO_TREES.items():
+        if real.is_relative_to(tree):
+            raise PathKindError(f"{shown} is in {tree}, {what}, where no files of the stack belong",
+                                f"name a folder on a disk for {option}, e.g. {option} ./out")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        # write_fix speaks of the parent of the path it is given: the folder that must be writable.
+        raise PathKindError(f"{shown}: {existing} is not writable for this user",
+                            write_fix(errno.EACCES, existing / "x"))
+    return path
+
+
+def file_head(path: Path, size: int) -> bytes | None:
+    """The first `size` bytes of the file at `path`, None when there is none; PathKindError when
+    something else is there (a folder, a FIFO: opened without blocking, never read)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except IsADirectoryError:
+        raise PathKindError(f"{path} is a folder, where a file belongs",
+                            f"move {path} aside, or name another folder") from None
+    except OSError as exc:
+        raise PathKindError(f"{path} cannot be read ({exc.strerror or exc})",
+                            f"check {path} (ls -l), or name another folder") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise PathKindError(f"{path} is {path_kind(mode)}, where a file belongs",
+                                f"move {path} aside, or name another folder")
+        return os.read(fd, size)
+    except OSError as exc:
+        raise PathKindError(f"{path} cannot be read ({exc.strerror or exc})",
+                            f"check {path} (ls -l), or name another folder") from None
+    finally:
+        os.close(fd)
+
+
 # --- reading the stack's own JSON files
 #
 # Files the stack wrote (state, records, history lines, run records) can still be cut short by a
@@ -147,15 +241,26 @@ def parse_json(data: str | bytes, *, max_depth: int = MAX_JSON_DEPTH,
     return value
 
 
+def json_syntax_error(exc: BaseException) -> json.JSONDecodeError | None:
+    """The JSON syntax error (with its line) behind a refusal of parse_json or read_json_file,
+    which raise from it, or None when the text was refused for another reason."""
+    seen: BaseException | None = exc
+    while seen is not None and not isinstance(seen, json.JSONDecodeError):
+        seen = seen.__cause__
+    return seen
+
+
 def read_json_file(path: Path, what: str | None = None, *, fix: str | None = None,
                    max_bytes: int = MAX_JSON_BYTES, allow_nan: bool = False,
-                   expect_object: bool = True) -> Any:
+                   expect_object: bool = True,
+                   too_large: str = "more than the stack ever writes there") -> Any:
     """The JSON value in `path`, or None when there is no such file.
 
-    Anything else that keeps it from being used (unreadable, larger than `max_bytes`, not UTF-8,
-    not JSON, nested too deeply, NaN unless `allow_nan`, not an object when `expect_object`)
-    raises JsonFileError "WHAT REASON" (`what` names the file, default its path; the reason alone
-    is in `.reason`), with `fix` (default: move it aside)."""
+    Anything else that keeps it from being used (unreadable, not a regular file, larger than
+    `max_bytes` (`too_large` says why that is too much), not UTF-8, not JSON, nested too deeply,
+    NaN unless `allow_nan`, not an object when `expect_object`) raises JsonFileError "WHAT
+    REASON" (`what` names the file, default its path; the reason alone is in `.reason`;
+    `json_syntax_error` finds the line of a syntax error), with `fix` (default: move it aside)."""
     shown = what or str(path)
 
     def damaged(reason: str) -> JsonFileError:
@@ -171,8 +276,9 @@ def read_json_file(path: Path, what: str | None = None, *, fix: str | None = Non
     except OSError as exc:
         raise damaged(f"cannot be read ({exc.strerror or exc})") from exc
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise damaged("is not a regular file")
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise damaged(f"is not a regular file (it is {path_kind(mode)})")
         with os.fdopen(fd, "rb", closefd=False) as handle:
             data = handle.read(max_bytes + 1)
     except OSError as exc:
@@ -180,7 +286,7 @@ def read_json_file(path: Path, what: str | None = None, *, fix: str | None = Non
     finally:
         os.close(fd)
     if len(data) > max_bytes:
-        raise damaged(f"is larger than {max_bytes} bytes, more than the stack ever writes there")
+        raise damaged(f"is larger than {max_bytes} bytes, {too_large}")
     try:
         value = parse_json(data, allow_nan=allow_nan)
     except ValueError as exc:

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from vllmstack.config.profiles import Resolved, resolve
-from vllmstack.core.files import write_text
+from vllmstack.core.files import FileWriteError, file_head, writable_folder, write_text
 from vllmstack.core.findings import Finding, has_errors, sort_findings
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner
@@ -206,13 +206,20 @@ def export(project: Project, plan: Plan, out: Path | None = None) -> Exported:
         errors = [f.render() for f in plan.findings if f.severity == "error"]
         raise ExportError(f"{len(errors)} problem(s) stop the export to {plan.target}; nothing "
                           "was written", "fix each one above, then export again", details=errors)
-    folder = out or project.generated / "export" / plan.target
+    # --out is the user's path: an existing file, a folder under a file, a device or /proc is
+    # refused by what it is (PathKindError) before anything is made or written.
+    folder = writable_folder(out, "--out") if out is not None else writable_folder(
+        project.generated / "export" / plan.target, "the export folder")
     for name in plan.files:
         path = folder / name
-        if path.exists() and MARKER not in path.read_text(encoding="utf-8", errors="replace")[:400]:
+        head = file_head(path, 400)  # a folder or FIFO in a file's place: refused, never read
+        if head is not None and MARKER not in head.decode("utf-8", errors="replace"):
             raise ExportError(f"{path} exists and was not written by `invoke export`; it is "
                               "left as it is", "choose another --out folder, or move that file")
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # made by someone else between the check and here, a full disk
+        raise FileWriteError(folder, exc) from exc
     written = []
     for name, text in plan.files.items():
         write_text(folder / name, text, MODE)

@@ -17,15 +17,17 @@ them the export still writes its files and says what was not validated.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import shlex
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from vllmstack.core.files import JsonFileError, json_syntax_error, read_json_file
 from vllmstack.core.runner import Runner
 from vllmstack.export.quadlet import QUADLET_44_KEYS
 from vllmstack.export.spec import ExportError
@@ -44,11 +46,16 @@ UNDECLARED_BUT_READ = {("servingEngineSpec", "modelSpec", "*", "vllmConfig", "v1
                        ("servingEngineSpec", "startupProbe", "timeoutSeconds"),
                        ("servingEngineSpec", "readinessProbe", "timeoutSeconds"),
                        ("servingEngineSpec", "livenessProbe", "timeoutSeconds")}
+# A chart's values.schema.json is tens of KiB (vllm-stack 0.1.12's: the keys of its values.yaml);
+# far above that, and the read stays bounded whatever --chart-schema names.
+CHART_SCHEMA_MAX_BYTES = 8 * 1024 * 1024
 MESSAGE_CHARS = 240  # jsonschema quotes the offending value; a ConfigMap's would fill a screen
 UNIT_SECTIONS = ("Unit", "Container", "Service", "Install")
 # Where distributions install Quadlet (Fedora/RHEL/Debian 13: libexec; Arch, openSUSE: lib).
 QUADLET_BINARIES = ("/usr/libexec/podman/quadlet", "/usr/lib/podman/quadlet")
 EXTRA_HINT = "pip install -e '.[export]'"
+CHART_SCHEMA_FIX = (f"pass the chart's own schema: helm pull vllm/vllm-stack --version {CHART_VERSION} "
+                    f"--untar, then --chart-schema vllm-stack/{CHART_SCHEMA_NAME}")
 
 
 class ValidatorMissingError(Exception):
@@ -106,19 +113,24 @@ def _dotted(path: Sequence[Any]) -> str:
 
 def load_chart_schema(path: Path) -> tuple[Path, Any]:
     """The chart's values.schema.json (a file, or the chart folder `helm pull --untar` makes) and
-    a validator for it; ChartSchemaError naming the file, and the line for bad JSON."""
+    a validator for it; ChartSchemaError naming the file, and the line for bad JSON.
+
+    Read through read_json_file: a device (/dev/zero), a FIFO or anything else that is not a
+    regular file is refused before a byte is read, and a file above CHART_SCHEMA_MAX_BYTES is
+    refused after reading one byte more than that, so no --chart-schema can exhaust memory."""
     file = path / CHART_SCHEMA_NAME if path.is_dir() else path
-    fix = (f"pass the chart's own schema: helm pull vllm/vllm-stack --version {CHART_VERSION} "
-           f"--untar, then --chart-schema vllm-stack/{CHART_SCHEMA_NAME}")
+    fix = CHART_SCHEMA_FIX
     try:
-        text = file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise ChartSchemaError(f"--chart-schema {file}: cannot be read ({reason})", fix) from None
-    try:
-        schema = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ChartSchemaError(f"{file}:{exc.lineno}: not JSON ({exc.msg})", fix) from None
+        schema = read_json_file(file, f"--chart-schema {file}", fix=fix, expect_object=False,
+                                max_bytes=CHART_SCHEMA_MAX_BYTES,
+                                too_large="far more than a chart's values schema holds")
+    except JsonFileError as exc:
+        syntax = json_syntax_error(exc)
+        if syntax is not None:
+            raise ChartSchemaError(f"{file}:{syntax.lineno}: not JSON ({syntax.msg})", fix) from None
+        raise ChartSchemaError(exc.cause, fix) from None
+    if schema is None:
+        raise ChartSchemaError(f"--chart-schema {file}: cannot be read (no such file)", fix)
     if not isinstance(schema, dict):
         raise ChartSchemaError(f"{file}: not a JSON schema (the document is not an object)", fix)
     try:
@@ -128,17 +140,46 @@ def load_chart_schema(path: Path) -> tuple[Path, Any]:
     # The chart's file names its draft ($schema); one that does not is read as 2020-12.
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     try:
-        cls.check_schema(schema)
+        with _references_checked(file, fix):
+            cls.check_schema(schema)
     except jsonschema.exceptions.SchemaError as exc:
         where = _dotted(exc.absolute_path)
         raise ChartSchemaError(f"{file}: not a JSON schema ({where}: {exc.message})", fix) from None
     return file, cls(schema)
 
 
+@contextlib.contextmanager
+def _references_checked(file: Path, fix: str) -> Iterator[None]:
+    """Where jsonschema follows the user's schema: a $ref cycle and a dangling reference become
+    ChartSchemaError. A cycle is caught where it bites, as the RecursionError of following it
+    (jsonschema resolves references lazily, recursing as it validates), not searched for in
+    advance: a $ref back to an enclosing schema is how a recursive structure is written, only a
+    chain that returns to itself without descending into the values loops, and following the
+    references finds that for every way of writing one ($ref, $dynamicRef, anchors, $id)."""
+    from referencing.exceptions import Unresolvable  # jsonschema's own dependency
+
+    try:
+        yield
+    except RecursionError:
+        raise ChartSchemaError(
+            f"{file}: refers to itself without end (a $ref that leads back to where it is, "
+            "directly or through others), so no values can be checked against it",
+            f"{fix}; a chart's own schema has no such cycle") from None
+    except Unresolvable as exc:
+        raise ChartSchemaError(f"{file}: refers to what it does not hold ({_clipped(str(exc))})",
+                               fix) from None
+
+
+def _clipped(message: str) -> str:
+    return message if len(message) <= MESSAGE_CHARS else message[:MESSAGE_CHARS] + "..."
+
+
 def validate_chart_values(values: dict[str, Any], file: Path, validator: Any) -> tuple[list[str], list[str]]:
     """The values against the user's chart schema: (problems Helm would refuse the install for,
-    keys the schema does not declare, which that chart may ignore)."""
-    problems = schema_problems(values, validator, str(file))
+    keys the schema does not declare, which that chart may ignore); ChartSchemaError when the
+    schema's references loop or dangle."""
+    with _references_checked(file, CHART_SCHEMA_FIX):
+        problems = schema_problems(values, validator, str(file))
     undeclared = [f"{'.'.join(path)}: not a key {file} declares; that chart may ignore it"
                   for path in undeclared_keys(values, validator.schema, ())]
     return problems, undeclared

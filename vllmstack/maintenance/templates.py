@@ -4,7 +4,8 @@ them too).
 
 The template is `--template PATH`, else the profile's VLLM_CHAT_TEMPLATE under chat-templates/,
 else the model's own (chat_template.jinja or tokenizer_config.json beside the tokenizer, found
-on disk or in the local Hugging Face cache; nothing is downloaded).
+on disk or in the local Hugging Face cache; nothing is downloaded). Whichever it is, it is read
+with the checks' guards and rendered in their bounded child (checks/chat_render.py's LIMITS).
 """
 
 from __future__ import annotations
@@ -15,21 +16,21 @@ from pathlib import Path
 from typing import Any
 
 from vllmstack.bench.workload.prompts import TokenizerError, load_tokenizer, resolve_tokenizer
-from vllmstack.checks.chat_render import ChatTemplate, TemplateError
+from vllmstack.checks.chat_render import LIMITS, TemplateError, read_template_text
 from vllmstack.checks.template import (
     TEMPLATE_DIR,
     Counter,
     TemplateReport,
-    check_template,
-    model_template,
+    check_source,
     profile_kwargs,
     profile_parser,
     profile_template,
-    read_template,
+    read_template_source,
     shipped_names,
 )
 from vllmstack.config.modelinfo import profile_hf_cache
 from vllmstack.config.profiles import Resolved
+from vllmstack.core.files import parse_json
 from vllmstack.core.paths import Project
 
 
@@ -40,7 +41,7 @@ def run_template_check(project: Project, environ: Mapping[str, str], *,
     tool-call parser, the default kwargs and the tokenizer unless `parser`/`kwargs` say."""
     notes: list[str] = []
     if template:
-        chosen = read_template(_path(project, template), template)
+        chosen = read_template_source(_path(project, template), template), template
     elif resolved is not None:
         chosen = _profile_template(project, resolved, environ)
     else:
@@ -54,7 +55,7 @@ def run_template_check(project: Project, environ: Mapping[str, str], *,
         notes += [note] if note else []
     else:
         notes.append("token waste not measured: no profile, so no tokenizer (add --model)")
-    report = check_template(chosen, parser=tool_parser, kwargs=defaults, count_tokens=counter)
+    report = check_source(*chosen, parser=tool_parser, kwargs=defaults, count_tokens=counter)
     report.notes += notes
     return report
 
@@ -65,15 +66,17 @@ def _path(project: Project, given: str) -> Path:
 
 
 def _profile_template(project: Project, resolved: Resolved,
-                      environ: Mapping[str, str]) -> ChatTemplate:
+                      environ: Mapping[str, str]) -> tuple[str, str]:
+    """(the template's text, its name in the report)."""
     path = profile_template(project, resolved)
     if path is not None:
-        if not path.is_file():
+        if not path.exists():  # a FIFO or a device there is refused, by name, as it is read
             raise TemplateError(
                 f"VLLM_CHAT_TEMPLATE={path.name} ({resolved.source('VLLM_CHAT_TEMPLATE')}): "
                 f"{TEMPLATE_DIR}/{path.name} does not exist",
                 f"use one of: {shipped_names(path.parent)}, or leave it empty for the model's own")
-        return read_template(path, f"{TEMPLATE_DIR}/{path.name}")
+        shown = f"{TEMPLATE_DIR}/{path.name}"
+        return read_template_source(path, shown), shown
     spec = resolved.get_str("VLLM_TOKENIZER") or resolved.get_str("VLLM_MODEL")
     try:
         folder = resolve_tokenizer(spec, environ, profile_hf_cache(resolved)).parent
@@ -86,7 +89,30 @@ def _profile_template(project: Project, resolved: Resolved,
     if source is None:
         raise TemplateError(f"{folder} has no chat template (no chat_template.jinja, no "
                             "chat_template in tokenizer_config.json)", "pass --template PATH")
-    return ChatTemplate(source, f"{spec} (the model's own template)")
+    return source, f"{spec} (the model's own template)"
+
+
+def model_template(folder: Path) -> str | None:
+    """The model's own template from its tokenizer files: chat_template.jinja, else
+    tokenizer_config.json's chat_template (a string, or named templates: the "default" one);
+    both are read with the template guards (a regular file of bounded size)."""
+    jinja = folder / "chat_template.jinja"
+    if jinja.exists():
+        return read_template_text(jinja, str(jinja), missing_fix="pass --template PATH")
+    config = folder / "tokenizer_config.json"
+    if not config.exists():
+        return None
+    text = read_template_text(config, str(config), missing_fix="pass --template PATH",
+                              max_bytes=16 * LIMITS.file_bytes)  # added tokens can make it large
+    try:
+        data = parse_json(text)
+    except ValueError:
+        return None
+    template = data.get("chat_template") if isinstance(data, dict) else None
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
 
 
 def _kwargs(text: str) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from pathlib import Path
 from vllmstack.bench.workload.selftest_tokenizer import train_corpus_tokenizer
 from vllmstack.config.profiles import Resolved
 from vllmstack.core.errors import StackError
+from vllmstack.core.files import writable_folder
 from vllmstack.models.chat_template import CHAT_TEMPLATE
 from vllmstack.runtime.engine_env import stack_paths
 
@@ -290,6 +291,8 @@ def make_model(preset: str, *, hf_cache: Path | None = None, out: Path | None = 
         raise ModelMakerError(f"unknown model preset {preset!r}", f"use one of: {', '.join(PRESETS)}")
     if (hf_cache is None) == (out is None):
         raise ModelMakerError("give either the Hugging Face cache or an output folder", None)
+    if out is not None:
+        out = checked_out(out)
     started = time.monotonic()
     # `repo` and `post` make a variant (make-model --trained: trains the files in `post`, before
     # they are hashed into a snapshot or renamed into place).
@@ -333,6 +336,26 @@ def make_model(preset: str, *, hf_cache: Path | None = None, out: Path | None = 
             shutil.rmtree(staging)
     return MadeModel(preset, repo, target, vocab, parameters, size,
                      time.monotonic() - started, made=True)
+
+
+def checked_out(out: Path) -> Path:
+    """`--out` as a folder the model may be written into (absolute). Refused: what
+    writable_folder refuses (PathKindError: a file, a device, a path under a file or in /proc),
+    and a folder that holds files make-model did not write (ModelMakerError), which making the
+    model there would delete."""
+    out = writable_folder(out, "--out")
+    if out.is_dir() and not any((out / name).is_file() for name in (MODEL_RECORD, "model.safetensors")):
+        try:
+            held = next(out.iterdir(), None)
+        except OSError as exc:
+            raise ModelMakerError(f"--out {out} cannot be read ({exc.strerror or exc})",
+                                  "name another folder for --out") from None
+        if held is not None:
+            raise ModelMakerError(
+                f"--out {out} is a folder that holds files make-model did not write (e.g. "
+                f"{held.name}); it is left as it is",
+                f"name a new or empty folder for the model, e.g. --out {out / 'tiny-qwen3'}")
+    return out
 
 
 def make_for_stack(resolved: Resolved, environ: Mapping[str, str], preset: str, *,

@@ -13,12 +13,11 @@ shared/reference/vllm-facts.md §1-2):
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllmstack.config.hfconfig import text_config
+from vllmstack.config.hfconfig import LAYERS, HfConfig, read_config
 from vllmstack.config.modelinfo import ModelFacts
 from vllmstack.config.profiles import Resolved
 from vllmstack.core.errors import StackError
@@ -86,20 +85,25 @@ def dense_file_name(n: int, k: int, device: str, block_shape: tuple[int, int]) -
 
 
 def read_model_config(facts: ModelFacts) -> dict[str, Any]:
-    """config.json's text part when the model is on disk ({} otherwise: the profile's keys rule)."""
-    path = facts.model_dir / "config.json" if facts.model_dir else None
-    if path is None or not path.is_file():
+    """What the shapes read from config.json when the model is on disk ({} otherwise: the
+    profile's keys rule), each field checked as hfconfig reads it (ModelConfigError naming it)."""
+    folder = facts.model_dir
+    path = folder / "config.json" if folder is not None and folder.is_dir() else None
+    data = read_config(path) if path is not None else None
+    if data is None:
         return {}
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(data, dict):
-        return {}
-    merged = text_config(data)
-    quant = data.get("quantization_config")
-    if isinstance(quant, dict) and "quantization_config" not in merged:
-        merged["quantization_config"] = quant
+    cfg = HfConfig(data, path)
+    merged: dict[str, Any] = {}
+    topk = cfg.number("num_experts_per_tok", LAYERS)
+    if topk is not None:
+        merged["num_experts_per_tok"] = topk
+    if cfg.has("attn_output_gate"):
+        merged["attn_output_gate"] = cfg.flag("attn_output_gate", False)
+    quant = cfg.section("quantization_config")
+    if quant is not None:
+        block = quant.block("weight_block_size")
+        merged["quantization_config"] = {"quant_method": quant.text("quant_method") or "",
+                                         "weight_block_size": list(block) if block else None}
     return merged
 
 
