@@ -380,3 +380,19 @@ def test_the_base_of_the_property_reads() -> None:
     with tempfile.TemporaryDirectory() as folder:
         info = read_gguf(write(Path(folder) / "b.gguf", BASE))
     assert (info.arch, info.name, info.block_count, info.context_length) == ("llama", "tiny", 2, 4096)
+
+
+def test_bench_vs_reads_the_gguf_through_the_same_bounds(tmp_path: Path) -> None:
+    # bench-vs names each llama.cpp row's checkpoint from LLAMACPP_MODEL's header: the hostile
+    # file is a note on that row (quoted), the good one's source and file type are read.
+    from vllmstack.bench.fleet.vs_report import read_gguf_source
+
+    hostile = write(tmp_path / "huge\x1b[31m.gguf", gguf_bytes(
+        [string("general.architecture", "llama"), array("tokenizer.ggml.token_type", U8, 2**62)],
+        pad_to=158))
+    file_type, sources, notes = finishes(lambda: read_gguf_source(hostile), 30)
+    assert (file_type, sources) == (None, [])
+    assert len(notes) == 1 and "header not readable" in notes[0] and "\x1b" not in notes[0]
+    good = write(tmp_path / "good.gguf", valid_llama(extra=[
+        string("general.source.url", "https://huggingface.co/Qwen/Qwen3-0.6B")]))
+    assert read_gguf_source(good) == ("ALL_F32", ["https://huggingface.co/Qwen/Qwen3-0.6B"], [])

@@ -19,7 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gguf import LlamaFileType
+
 from vllmstack.bench.fleet.resident import append_text, md_table, one_line, stamp, vram_text
+from vllmstack.checks.gguf_header import GgufError, open_header
+from vllmstack.checks.gguf_header import shown as quoted
 from vllmstack.config.engine import LLAMACPP, display_name, engine_of
 from vllmstack.config.profiles import Resolved
 from vllmstack.runtime.engine_env import stack_paths
@@ -97,23 +101,21 @@ def read_gguf_source(path: Path) -> tuple[str | None, list[str], list[str]]:
         except (OSError, ValueError) as exc:
             notes.append(f"{sidecar.name} unreadable: {exc}")
     try:
-        import gguf  # the GGUF header reader (a dependency of the llama.cpp checks)
-
-        reader = gguf.GGUFReader(str(path))
-        for key in ("general.source.url", "general.source.repo_url"):
-            found = reader.get_field(key)
-            if found is not None:
-                sources.append(str(found.contents()))
-        kind = reader.get_field("general.file_type")
+        # The bounded reader of the llama.cpp checks: a hostile LLAMACPP_MODEL (a count of 2^62,
+        # a FIFO) is a named error here too, never a MemoryError or a hang.
+        with open_header(path) as header:
+            for key in ("general.source.url", "general.source.repo_url"):
+                found = header.string(key)
+                if found is not None:
+                    sources.append(found)
+            kind = header.count("general.file_type")
         if kind is not None:
             try:
-                file_type = gguf.LlamaFileType(int(kind.contents())).name
+                file_type = LlamaFileType(kind).name
             except ValueError:
-                file_type = f"file type {kind.contents()}"
-    except ImportError:
-        notes.append("the gguf package is missing: the GGUF header was not read")
-    except (OSError, ValueError, KeyError, IndexError) as exc:
-        notes.append(f"{path.name}: header not readable ({exc})")
+                file_type = f"file type {kind}"
+    except GgufError as exc:
+        notes.append(f"{quoted(path.name)}: header not readable ({quoted(exc.cause, 300)})")
     return file_type, sources, notes
 
 
