@@ -192,3 +192,44 @@ def test_make_model_leaves_a_folder_of_other_files_as_it_is(project: Project, tm
     assert error.startswith(f"error: --out {models} is a folder that holds files make-model did "
                             "not write")
     assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("target", ["/dev/zero", "fifo", "folder", "sparse"])
+def test_a_tokenizer_that_is_not_a_tokenizer_file_is_refused_before_it_is_read(
+        tmp_path: Path, target: str) -> None:
+    # bench --tokenizer, and every probe: the Rust reader would take /dev/zero whole.
+    from helpers import finishes
+
+    from vllmstack.bench.workload.prompts import TokenizerError, load_tokenizer
+
+    if target == "fifo":
+        path = tmp_path / "tokenizer.json"
+        os.mkfifo(path)
+    elif target == "folder":
+        path = tmp_path / "tokenizer.json"
+        path.mkdir()
+    elif target == "sparse":
+        path = tmp_path / "tokenizer.json"
+        with path.open("wb") as sparse:
+            sparse.truncate(4 * 2**30)
+    else:
+        path = Path(target)
+    with pytest.raises(TokenizerError) as err:
+        finishes(lambda: load_tokenizer(path), 30)
+    said = str(err.value)
+    assert str(path) in said and ("not a tokenizer.json file" in said or "more than a tokenizer" in said)
+
+
+def test_a_safetensors_header_that_claims_too_much_is_refused(tmp_path: Path) -> None:
+    import struct
+
+    from vllmstack.core.files import PathKindError
+    from vllmstack.models.tiny import ModelMakerError, read_safetensors_header
+
+    lying = tmp_path / "model.safetensors"
+    lying.write_bytes(struct.pack("<Q", 2**62) + b"{}")
+    with pytest.raises(ModelMakerError, match="more than safetensors allows"):
+        read_safetensors_header(lying)
+    os.mkfifo(tmp_path / "pipe.safetensors")
+    with pytest.raises(PathKindError, match="FIFO"):
+        read_safetensors_header(tmp_path / "pipe.safetensors")

@@ -28,7 +28,7 @@ from pathlib import Path
 from vllmstack.bench.workload.selftest_tokenizer import train_corpus_tokenizer
 from vllmstack.config.profiles import Resolved
 from vllmstack.core.errors import StackError
-from vllmstack.core.files import writable_folder
+from vllmstack.core.files import file_head, writable_folder
 from vllmstack.models.chat_template import CHAT_TEMPLATE
 from vllmstack.runtime.engine_env import stack_paths
 
@@ -181,9 +181,22 @@ def write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...], byte
     return 8 + len(text) + offset
 
 
+# The safetensors format caps its JSON header at 100 MB (safetensors' MAX_HEADER_SIZE).
+MAX_SAFETENSORS_HEADER = 100_000_000
+
+
 def read_safetensors_header(path: Path) -> dict[str, dict[str, object]]:
+    head = file_head(path, 8)  # a FIFO or a folder: PathKindError, never a blocking read
+    if head is None or len(head) < 8:
+        raise ModelMakerError(f"{path} is not a safetensors file (shorter than its 8-byte header length)",
+                              "make the model again: invoke make-model --force")
+    (size,) = struct.unpack("<Q", head)
+    if size > MAX_SAFETENSORS_HEADER:
+        raise ModelMakerError(f"{path} claims a {size}-byte header, more than safetensors allows "
+                              f"({MAX_SAFETENSORS_HEADER})",
+                              "make the model again: invoke make-model --force")
     with path.open("rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
+        f.seek(8)
         header: dict[str, dict[str, object]] = json.loads(f.read(size))
     header.pop("__metadata__", None)
     return header

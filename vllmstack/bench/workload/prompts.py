@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import os
 import random
+import stat
 import threading
 import uuid
 from collections.abc import Mapping
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from vllmstack.core.errors import StackError
+from vllmstack.core.files import path_kind
 
 CORPUS_FILE = "essays.txt"
 PARAGRAPH_SEPARATOR = "\n\n"
@@ -109,6 +111,9 @@ def resolve_tokenizer(spec: str, environ: Mapping[str, str], hf_home: str | None
     )
 
 
+MAX_TOKENIZER_BYTES = 512 * 2**20
+
+
 def load_tokenizer(path: Path) -> Any:
     """A `tokenizers.Tokenizer` from tokenizer.json (the `bench` extra provides the package)."""
     try:
@@ -117,6 +122,18 @@ def load_tokenizer(path: Path) -> Any:
         raise TokenizerError(
             "the 'tokenizers' package is missing; install the bench extra: pip install -e '.[bench]'"
         ) from exc
+    # The Rust reader takes whatever the path gives, all of it: /dev/zero or a FIFO would fill
+    # memory or block, so only a regular file of a tokenizer's size reaches it.
+    try:
+        info = path.stat()
+    except OSError as exc:
+        raise TokenizerError(f"{path} cannot be read ({exc.strerror or exc})") from exc
+    if not stat.S_ISREG(info.st_mode):
+        raise TokenizerError(f"{path} is {path_kind(info.st_mode)}, not a tokenizer.json file")
+    if info.st_size > MAX_TOKENIZER_BYTES:
+        raise TokenizerError(f"{path} is {info.st_size} bytes, more than a tokenizer.json holds "
+                             f"(at most {MAX_TOKENIZER_BYTES // 2**20} MiB; the largest published "
+                             "ones are about 30 MB)")
     try:
         return Tokenizer.from_file(str(path))
     except Exception as exc:  # the Rust side raises plain Exception subclasses
