@@ -233,3 +233,41 @@ def test_a_safetensors_header_that_claims_too_much_is_refused(tmp_path: Path) ->
     os.mkfifo(tmp_path / "pipe.safetensors")
     with pytest.raises(PathKindError, match="FIFO"):
         read_safetensors_header(tmp_path / "pipe.safetensors")
+
+
+@pytest.mark.parametrize("where", ["a folder", "under a file", "/dev/zero", "/proc/x", "a fifo"])
+@pytest.mark.parametrize("task", [("report", "--out"), ("gguf-convert", "--out"),
+                                  ("bench", "--history-dir")])
+def test_every_other_output_path_option_refuses_the_wrong_kind(
+        tmp_path: Path, where: str, task: tuple[str, str]) -> None:
+    # The rule for every path option: report --out and gguf-convert --out name a file,
+    # bench --history-dir a folder; each refuses what cannot be written there, before any work.
+    from helpers import copy_project
+
+    project = Project(copy_project(tmp_path / "stack"))
+    name, option = task
+    wants_file = option == "--out"
+    if where == "a folder":
+        path = tmp_path / "out"
+        path.mkdir()
+        if not wants_file:
+            pytest.skip("a folder is what --history-dir names")
+    elif where == "under a file":
+        (tmp_path / "file").write_text("mine")
+        path = tmp_path / "file" / "x"
+    elif where == "a fifo":
+        path = tmp_path / "pipe"
+        os.mkfifo(path)
+    else:
+        path = Path(where)
+    model = tmp_path / "model"
+    if name == "gguf-convert":  # a real checkpoint, so the refusal is --out's, not the model's
+        from vllmstack.models import tiny
+
+        tiny.make_model("tiny", out=model)
+    args = {"report": ["report", "--out", str(path)],
+            "gguf-convert": ["gguf-convert", str(model), "--out", str(path)],
+            "bench": ["bench", "--history-dir", str(path), "--url", "http://127.0.0.1:9"]}[name]
+    error = refused(invoke(project, *args))
+    assert option in error and str(path) in error
+    assert (tmp_path / "file").read_text() == "mine" if where == "under a file" else True

@@ -43,6 +43,7 @@ from vllmstack.bench.workload.ladders import DEFAULT_MARGIN
 from vllmstack.bench.workload.prompts import PromptBuilder, TokenizerError, load_tokenizer
 from vllmstack.bench.workload.prompts import resolve_tokenizer as find_tokenizer
 from vllmstack.core.errors import StackError
+from vllmstack.core.files import writable_file, writable_folder
 from vllmstack.core.paths import Project, results_folder
 
 EXIT_USAGE = 2
@@ -118,7 +119,8 @@ def _history_dir(args: argparse.Namespace, project: Project) -> Path | None:
     if getattr(args, "no_history", False):
         return None
     folder: Path | None = args.history_dir
-    return folder if folder is not None else results_folder(project)
+    # A file, a device or /proc given as the history folder is refused before a run, not after it.
+    return writable_folder(folder, "--history-dir") if folder is not None else results_folder(project)
 
 
 def _load_builder(target: Target, environ: Mapping[str, str], required: bool
@@ -184,6 +186,8 @@ def _options(args: argparse.Namespace) -> RunOptions:
 async def _dispatch(args: argparse.Namespace, project: Project, environ: Mapping[str, str],
                     out: TextIO, progress: Callable[[str], None]) -> int:
     if args.command == "report":
+        if args.out:
+            writable_file(args.out, "--out")
         folder = args.history_dir or results_folder(project)
         chart_dir = (args.out.parent if args.out else project.generated / "report") \
             if args.png else None

@@ -121,13 +121,14 @@ def path_kind(mode: int) -> str:
     return "not a file or folder"
 
 
-def writable_folder(path: Path, option: str) -> Path:
+def writable_folder(path: Path, option: str, *, shown: str | None = None) -> Path:
     """`path` (absolute) when it is a folder this user may write into, or one that can be made
     there; PathKindError otherwise, named after `option` (e.g. "--out"): an existing file, device
     or FIFO; a path under a file; a path under /proc, /sys or /dev; a nearest existing folder the
     user cannot write. Links are followed, as a write would follow them."""
     path = path.expanduser().absolute()
-    shown = f"{option} {path}"
+    own = shown is None  # False: the folder of a file `shown` names (writable_file)
+    shown = shown or f"{option} {path}"
     existing = path
     while True:  # the nearest part of the path that exists (/ always does)
         try:
@@ -140,7 +141,7 @@ def writable_folder(path: Path, option: str) -> Path:
                                 f"name another folder for {option}") from None
     kind = path_kind(info.st_mode)
     if not stat.S_ISDIR(info.st_mode):
-        if existing == path:
+        if existing == path and own:
             aside = "" if kind == "a device" else f", or move {path} aside"
             raise PathKindError(f"{shown} is {kind}, not a folder",
                                 f"name a folder for {option} (it is made when missing){aside}")
@@ -155,6 +156,25 @@ def writable_folder(path: Path, option: str) -> Path:
         # write_fix speaks of the parent of the path it is given: the folder that must be writable.
         raise PathKindError(f"{shown}: {existing} is not writable for this user",
                             write_fix(errno.EACCES, existing / "x"))
+    return path
+
+
+def writable_file(path: Path, option: str) -> Path:
+    """`path` (absolute) when a file may be written there: its folder passes writable_folder
+    (not under a file, not in /proc, /sys or /dev, writable), and nothing is there but a regular
+    file (a folder, a device or a FIFO is refused). PathKindError otherwise, named after `option`."""
+    path = path.expanduser().absolute()
+    writable_folder(path.parent, option, shown=f"{option} {path}")
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        return path
+    except OSError as exc:
+        raise PathKindError(f"{option} {path} cannot be used ({exc.strerror or exc})",
+                            f"name another file for {option}") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise PathKindError(f"{option} {path} is {path_kind(info.st_mode)}, not a file",
+                            f"name a file for {option} (it is made when missing)")
     return path
 
 

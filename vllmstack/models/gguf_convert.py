@@ -29,7 +29,7 @@ from typing import Any
 from vllmstack.config.llamacpp_args import default_models_dir
 from vllmstack.config.profiles import Resolved
 from vllmstack.core.errors import StackError
-from vllmstack.core.files import write_json
+from vllmstack.core.files import writable_file, write_json
 from vllmstack.core.paths import Project, home_dir
 from vllmstack.core.runner import Runner
 from vllmstack.image.llamacpp_source import prepare_source
@@ -216,6 +216,7 @@ def output_path(resolved: Resolved, environ: Mapping[str, str], name: str, outty
                 raise ConvertError(f"--out {out}: {parent} is a file, not a folder, so nothing "
                                    "can be written below it", "pass --out a path in a folder")
             break
+    writable_file(target, "--out")  # a FIFO or device there, a folder in /dev or /proc
     return target
 
 
