@@ -147,5 +147,16 @@ def test_check_refuses_fp8_kv_on_the_cpu_build_where_the_cpu_holds_none(project:
         assert rule_cpu_fp8_kv(replace(ctx, cpu_flags=frozenset(fine))) == []
     bf16 = build_context(project, resolve(project, platform="cpu", model="tiny"), {})
     assert rule_cpu_fp8_kv(replace(bf16, cpu_flags=frozenset(EPYC_AVX2))) == []
+    native = build_context(project, fp8, {}, runtime="native")
+    native_codes = [f.code for f in rule_cpu_fp8_kv(replace(native, cpu_flags=frozenset(EPYC_AVX2)))]
+    assert native_codes == ["cpu-fp8-kv"]
+    # An engine that may not be vLLM's CPU build: a command of the user's own, an image they name
+    # (the engine simulator of the container tests is one).
+    for runtime, override in (("native", "NATIVE_ENGINE_COMMAND=/opt/my/vllm serve"),
+                              ("compose", "VLLM_IMAGE=vllmstack/engine-sim:latest")):
+        other = resolve(project, platform="cpu", model="tiny",
+                        overrides=["VLLM_KV_CACHE_DTYPE=fp8", override])
+        other_ctx = build_context(project, other, {}, runtime=runtime)
+        assert rule_cpu_fp8_kv(replace(other_ctx, cpu_flags=frozenset(EPYC_AVX2))) == []
     gpu = resolve(project, platform="nvidia", model="qwen3-0.6b", overrides=["VLLM_KV_CACHE_DTYPE=fp8"])
     assert rule_cpu_fp8_kv(replace(build_context(project, gpu, {}), cpu_flags=frozenset(EPYC_AVX2))) == []

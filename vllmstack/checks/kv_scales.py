@@ -79,13 +79,23 @@ def _calibrated_setting(ctx: CheckContext, folder: Path | None) -> list[Finding]
     return found
 
 
+def _runs_the_cpu_build(ctx: CheckContext) -> bool:
+    """Whether the engine is vLLM's CPU build: natively the +cpu install (not a command of the
+    user's own), in a container the platform's own image (an image the profile or the user
+    names, such as the engine simulator, may be anything)."""
+    if ctx.runtime == "native":
+        return ctx.get("NATIVE_ENGINE_VERSION").endswith("+cpu") and not ctx.get("NATIVE_ENGINE_COMMAND")
+    source = ctx.resolved.source("VLLM_IMAGE") or "default"
+    return source == "default" or source.startswith("env/platforms/")
+
+
 def rule_cpu_fp8_kv(ctx: CheckContext) -> list[Finding]:
     """vLLM's CPU build keeps an fp8 KV cache only on x86 with AVX-512 or AMX (image/cpu.py,
     fp8_kv_serves); the engine runs on this host's CPU natively and in a container alike, so a
     CPU without them is refused here instead of in the engine's attention backend a boot later."""
     dtype = ctx.get("VLLM_KV_CACHE_DTYPE")
     if not is_cpu_platform(ctx.resolved) or not dtype.startswith("fp8") or \
-            not ctx.usable("VLLM_KV_CACHE_DTYPE"):
+            not ctx.usable("VLLM_KV_CACHE_DTYPE") or not _runs_the_cpu_build(ctx):
         return []
     flags = set(ctx.host_cpu_flags())
     if not flags or fp8_kv_serves(flags):
