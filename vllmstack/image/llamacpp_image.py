@@ -90,7 +90,9 @@ def base_images(resolved: Resolved, backend: str, base_image: str | None,
 def build_context(project: Project, ref: str, folder: Path,
                   environ: Mapping[str, str] | None = None) -> Path:
     """A fresh context in `folder`: the Dockerfile, the pinned sdist, the patches, the patch tool."""
-    sdist = fetch_sdist(project, ref, environ)
+    # The file itself, not the link .cache/sdist may hold into the build store: link() does not
+    # follow a symbolic link on Linux, and a link out of the context is one Docker cannot COPY.
+    sdist = fetch_sdist(project, ref, environ).resolve()
     if folder.exists():
         shutil.rmtree(folder)
     folder.mkdir(parents=True)
