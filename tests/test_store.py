@@ -265,3 +265,22 @@ def test_the_clear_caches_task_takes_store(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert f"build store {tmp_path / 'store'}: freed 1021 B" in done.stdout
     assert Store(tmp_path / "store").entries() == []
+
+
+def test_clear_keeps_a_resumable_build_folder_whose_build_runs(tmp_path: Path) -> None:
+    from vllmstack.core.store import slug_of
+
+    store = Store(tmp_path / "store")
+    entry = store.entry(KEY)
+    cmake = entry.path.with_name(KEY.slug + ".build")  # llama.cpp's, beside its entry
+    with entry.locked():
+        cmake.mkdir(parents=True)
+        (cmake / "CMakeCache.txt").write_text("objects of an hour")
+        freed, lines = store.clear()
+        assert cmake.exists() and lines == [f"kept {cmake} (a build holds it)"] and freed == 0
+    assert store.clear()[0] > 0 and not cmake.exists()
+
+    slug = f"vllm-0.32.0+cpu-{KEY.digest}"
+    for name in (slug, f"{slug}.build", f"{slug}.partial-123", f"{slug}.json.partial-9"):
+        assert slug_of(name) == slug  # each under the lock of its entry
+    assert slug_of("real-engine-tests") == "real-engine-tests"

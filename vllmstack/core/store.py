@@ -27,6 +27,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -260,7 +261,7 @@ class Store:
         keeps its entry."""
         freed, lines = 0, []
         for info in self.entries():
-            lock = info.path.with_name(info.path.name.split(PARTIAL)[0] + ".lock")
+            lock = info.path.with_name(slug_of(info.path.name) + ".lock")
             with open_lock(lock) as free:
                 if not free:
                     lines.append(f"kept {info.path} (a build holds it)")
@@ -277,6 +278,17 @@ class Store:
             lines.append(f"{'would remove' if dry_run else 'removed'} {info.path} "
                          f"({format_bytes(info.bytes)}{'' if info.complete else ', unfinished'})")
         return freed, lines
+
+
+SLUG = re.compile(r"^(.+-[0-9a-f]{16})(\..*)?$")
+
+
+def slug_of(name: str) -> str:
+    """The entry a name under the store belongs to: `<slug>` itself, its `<slug>.partial-PID`
+    build, a llama.cpp build's `<slug>.build` folder, its marker's temporary name. The entry's
+    lock is `<slug>.lock`, held by whoever builds any of them."""
+    match = SLUG.match(name)
+    return match.group(1) if match else name
 
 
 def users(path: Path, proc: Path = Path("/proc")) -> list[int]:
