@@ -64,7 +64,7 @@ def test_the_router_refuses_to_listen_beyond_loopback_without_a_token(tmp_path: 
         run_router(Project(root), {}, host="0.0.0.0", port=free_port(), profiles=["qwen3-0.6b"])
     assert "reachable from other machines, without a token" in caught.value.cause
     assert "ROUTER_TOKEN" in (caught.value.fix or "")
-    write_dotenv(root, {"PLATFORM": "cpu", "ROUTER_TOKEN": "from-dotenv"})
+    write_dotenv(root, {"PLATFORM": "cpu", "ROUTER_TOKEN": "from-dotenv-" + "x" * 32})
     with socket.create_server(("0.0.0.0", 0)) as taken:
         port = taken.getsockname()[1]
         with pytest.raises(RouterError) as caught:  # the token from .env passes: the port does not
@@ -145,11 +145,11 @@ def test_the_token_comes_from_a_file_the_environment_or_dotenv_never_argv(tmp_pa
     from vllmstack.router.options import choose_token
 
     token_file = tmp_path / "token"
-    token_file.write_text("  from-file\n")
-    env = {"ROUTER_TOKEN": "from-env"}
-    assert choose_token(None, token_file, env, "from-dotenv") == "from-file"
-    assert choose_token(None, None, env, "from-dotenv") == "from-env"
-    assert choose_token(None, None, {}, "from-dotenv") == "from-dotenv"
+    token_file.write_text("  from-file-" + "x" * 32 + "\n")
+    env = {"ROUTER_TOKEN": "from-env-" + "x" * 32}
+    assert choose_token(None, token_file, env, "from-dotenv-" + "x" * 32) == "from-file-" + "x" * 32
+    assert choose_token(None, None, env, "from-dotenv-" + "x" * 32) == "from-env-" + "x" * 32
+    assert choose_token(None, None, {}, "from-dotenv-" + "x" * 32) == "from-dotenv-" + "x" * 32
     assert choose_token(None, None, {}, "") == ""
     for bad, cause in ((tmp_path / "missing", "No such file"), (tmp_path, "Is a directory")):
         with pytest.raises(RouterError, match=cause):

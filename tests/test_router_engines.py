@@ -153,7 +153,8 @@ def test_a_failed_load_gives_every_waiter_the_diagnosis_and_the_next_request_ret
     fake = FakeLifecycle(load_s=0.1, fail=("b",))
 
     async def go() -> None:
-        manager = EngineManager(catalog(A, B), fake)
+        # No back-off here (tests/test_router_faults.py has it): the next request boots again.
+        manager = EngineManager(catalog(A, B), fake, limits=Limits(load_backoff=0))
         results = await asyncio.gather(*(manager.acquire(B, 5) for _ in range(3)),
                                        return_exceptions=True)
         assert all(isinstance(r, LoadFailedError) for r in results)

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import requests
-from helpers import free_port, wait_for
+from helpers import free_port
 
 from vllmstack.config.profiles import Resolved, Setting
 from vllmstack.core.errors import StackError
@@ -345,7 +345,9 @@ def test_a_token_is_required_when_set_and_stays_with_the_router(engine: FakeEngi
         ok = requests.post(url + "/v1/completions", json=body, timeout=5,
                            headers={"Authorization": "Bearer t0ken"})
         assert ok.status_code == 200 and "authorization" not in engine.seen[-1][1]
-        assert requests.get(url + "/v1/models", timeout=5).status_code == 200
+        assert requests.get(url + "/v1/models", timeout=5).status_code == 401  # reads too
+        assert requests.get(url + "/v1/models", timeout=5,
+                            headers={"Authorization": "Bearer t0ken"}).status_code == 200
 
 
 def test_without_a_token_only_this_machines_pages_may_post(routed: str, engine: FakeEngine) -> None:
@@ -403,7 +405,8 @@ def test_one_malformed_engine_answer_is_502_and_the_engine_stays(routed: str) ->
                          timeout=5).status_code == 200
 
 
-def test_engine_errors_pass_through_and_a_run_of_them_reloads(engine: FakeEngine) -> None:
+def test_engine_errors_pass_through_and_a_run_of_them_keeps_a_healthy_engine(
+        engine: FakeEngine) -> None:
     with router(engine.url, limits=Limits(error_run=2)) as url:
         first = requests.post(url + "/v1/completions", json={"model": "served", "fail": True},
                               timeout=5)
@@ -414,8 +417,10 @@ def test_engine_errors_pass_through_and_a_run_of_them_reloads(engine: FakeEngine
             state: dict[str, Any] = requests.get(url + "/v1/health", timeout=5).json()["models"]["served"]
             return state
 
-        wait_for(lambda: served()["state"] == "failed", what="the run of 500s failed the engine")
-        assert "2 answers of 500 or above" in served()["error"]["cause"]
+        # Its /health answers 200: kept, not reloaded (issue 35; tests/test_router_faults.py).
+        assert served()["state"] == "ready"
+        assert requests.post(url + "/v1/completions", json={"model": "served"},
+                             timeout=5).status_code == 200
 
 
 def test_a_body_over_the_limit_is_413_typed_as_the_clients(engine: FakeEngine) -> None:

@@ -451,6 +451,9 @@ def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
 
     request = urllib.request.Request(url, data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=BOOT_TIMEOUT_S + 120) as answer:
-        data: dict[str, Any] = json.load(answer)
+    try:
+        with urllib.request.urlopen(request, timeout=BOOT_TIMEOUT_S + 120) as answer:
+            data: dict[str, Any] = json.load(answer)
+    except urllib.error.HTTPError as exc:  # the router's diagnosis is in the body: show it
+        raise AssertionError(f"{url}: {exc.code} {exc.read()[:2000]!r}") from None
     return data

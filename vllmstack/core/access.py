@@ -1,4 +1,6 @@
 """Who may change state on a local HTTP service: the dashboard's and the router's one rule.
+(The router applies it to every request, reads included: its /v1/health and /v1/models tell
+what the engines run, as vLLM's --api-key refuses them too.)
 
 A service reachable from other machines (bound beyond loopback) must be given a token, and then
 every state-changing request must carry it; a token set on a loopback service is required too.
@@ -50,13 +52,20 @@ def sent_token(headers: Mapping[str, str], token_header: str | None = None) -> s
     return sent
 
 
+def _octets(text: str) -> bytes:
+    """`text` as bytes to compare, whatever it holds: aiohttp decodes a header's bytes as UTF-8
+    with surrogateescape, so a non-ASCII token arrives holding lone surrogates that a plain
+    encode() refuses (a 500 instead of a 401, issue 35); such a token never equals a real one."""
+    return text.encode("utf-8", "surrogatepass")
+
+
 def write_denial(headers: Mapping[str, str], *, token: str, required: bool,
                  token_header: str | None = None) -> str | None:
     """Why a state-changing request with these headers is refused: NEEDS_TOKEN, NOT_LOCAL or
     None (allowed). `required` is token_required() for where the service is reachable."""
     if required:
         sent = sent_token(headers, token_header)
-        if not sent or not hmac.compare_digest(sent.encode(), token.encode()):
+        if not sent or not hmac.compare_digest(_octets(sent), _octets(token)):
             return NEEDS_TOKEN
         return None
     host = urlsplit("//" + headers.get("host", "")).hostname or ""

@@ -11,22 +11,26 @@ request.
 What gives way is the memory plan's call (plan.Plan.arrange): engines that fit together stay
 awake together, and a request for an awake engine is served at once. A request that needs a
 switch waits; requests for an engine that switch puts away are served first until the oldest
-waiter has waited ROUTER_SWAP_WAIT, or that engine had no request for ROUTER_SWAP_GRACE. Then
-the switch runs as a task of its own (a request that gives up never cancels it half way): each
+waiter has waited ROUTER_SWAP_WAIT (2 s: the bound on how long one model's clients can hold the
+card while another's wait), or that engine had no request for ROUTER_SWAP_GRACE. Then
+the switch runs as a task of its own (a request that gives up never cancels it half way;
+a load that nobody waits for any more is cut short once a request for another model waits): each
 engine that gives way is drained (its requests finish, cut after the drain timeout), then put to
 sleep or stopped; sleeping engines beyond the plan are stopped; the target is woken or started
 (with the share of the card the plan leaves, checked against the card's free memory first).
 After every sleep the card's own used memory is read: a sleep that did not release it switches
 that profile to restart (said, and kept in generated/router/memory.json). A request never
 reaches an engine that is not ready: asleep, going to sleep, waking or loading. The first sleep
-of an engine is slow (vLLM pins host buffers): it is paid right after the load when no client
-waits for the engine, else in the background once it is idle.
+of an engine is slow (vLLM pins host buffers): it is always paid as part of the load, before the
+engine is declared ready, so no request ever lands on it later (no idle priming).
 
 Health: an idle ready engine's /health is checked every ROUTER_HEALTH_INTERVAL, and before a
-request is forwarded after such a pause; a run of ROUTER_ERROR_RUN answers of 500 or above, or a
-failed forward whose engine then fails the probe, marks it failed (loaded again by the next
-request for it). A load that fails leaves its model `failed` with the diagnosis; the requests
-that waited for it get it, and the next request tries again.
+request is forwarded after such a pause; after a run of ROUTER_ERROR_RUN answers of 500 or above,
+a failed forward or a stream the engine broke off, /health is probed, and only an engine that
+fails it is marked failed (loaded again by the next request for it). A load that fails leaves its
+model `failed` with the diagnosis; the requests that waited for it get it, and for
+ROUTER_LOAD_BACKOFF a client's request gets the same error at once (no boot, no engine put away
+for it); then the next request tries again. A POST /v1/load tries again at once.
 """
 
 from __future__ import annotations
@@ -60,8 +64,8 @@ __all__ = ["DRAIN_TIMEOUT_S", "EngineManager", "Lifecycle", "LoadFailedError", "
            "RouterBusyError"]
 
 IDLE_POLL_S = 0.5
-# An engine whose first sleep is still unpaid is primed once it had no request for this long.
-PRIME_IDLE_S = 1.0
+# How long a stop past its bound waits for an engine's kill (SIGKILL to its process group).
+KILL_WAIT_S = 10.0
 
 
 class EngineManager(Pool):
@@ -78,7 +82,9 @@ class EngineManager(Pool):
             member = self.members[adopted.entry.id]
             member.url, member.util, member.adopted, member.started = (
                 adopted.url, adopted.util, True, True)
-            member.primed = adopted.asleep  # an engine that slept has paid its first sleep
+            # A router primes every engine at its load (swaps.bring_up), so one started able to
+            # sleep has paid its first sleep; nothing is primed later, where a request could wait.
+            member.primed = adopted.asleep or adopted.sleep_mode
             if member.sleeps and not adopted.sleep_mode:
                 member.mode, member.temporary = RESTART, True
                 member.why = ("adopted, started without sleep mode: it restarts until it is "
@@ -100,6 +106,9 @@ class EngineManager(Pool):
         member = self.members[entry.id]
         if self.servable(entry) and await watch.fresh(self, member) and self.servable(entry):
             return self._grant(member)
+        left = self.backoff_left(entry)
+        if left and not api and member.state == FAILED:
+            raise self.backed_off(entry, left)
         loop = asyncio.get_running_loop()
         waiter = Waiter(entry, self.clock(), self.attempts.get(entry.id, 0),
                         loop.create_future(), api)
@@ -167,6 +176,8 @@ class EngineManager(Pool):
             if waiter in self._queue:
                 self._queue.remove(waiter)
         pending = [w for w in self._queue if not self.members[w.entry.id].ready]
+        if self.switching() and not self.closing:
+            self._cut_abandoned_load()
         if self.closing or self.switching() or not pending:
             return  # a switch's end schedules again
         oldest = min(pending, key=lambda w: w.arrived)
@@ -189,6 +200,38 @@ class EngineManager(Pool):
         self._task = task
         return task
 
+    def backed_off(self, entry: Entry, left: float) -> LoadFailedError:
+        """The failure of `entry`'s last load, again, while ROUTER_LOAD_BACKOFF lasts: no boot,
+        no engine put away for it (a POST /v1/load tries again at once)."""
+        error = self.members[entry.id].status.error or {}
+        fix = error.get("fix") or "see the router's log"
+        return LoadFailedError(
+            error.get("cause", f"{entry.id} did not load"),
+            f"{fix}; the router tries the load again in {math.ceil(left)} s "
+            "(ROUTER_LOAD_BACKOFF), or at once on POST /v1/load")
+
+    def _cut_abandoned_load(self) -> None:
+        """A load that no request (and no /v1/load) waits for any more is cut short
+        (Lifecycle.abort) as soon as a request for another model waits behind it: a hung boot
+        whose client left held every model for its UP_TIMEOUT (issue 35). With nobody else
+        waiting it goes on, so a client that retries finds it loaded."""
+        if not self._queue:
+            return
+        for member in self.members.values():
+            if member.state != LOADING or member.id in self.aborted \
+                    or any(w.entry is member.entry for w in self._queue):
+                continue
+            self.aborted.add(member.id)
+            self.say(f"cutting the load of {member.id} short: no request waits for it any more, "
+                     f"and {self.waiting} request(s) for other models do")
+            asyncio.get_running_loop().create_task(self._abort(member.entry))
+
+    async def _abort(self, entry: Entry) -> None:
+        try:
+            await asyncio.to_thread(self.lifecycle.abort, entry)
+        except Exception as exc:  # the load then ends on its own: said, nothing else to do
+            self.say(f"warning: cutting the load of {entry.id} short failed: {exc}")
+
     def _busy(self, entry: Entry, timeout: float) -> RouterBusyError:
         member = self.members[entry.id]
         return RouterBusyError(
@@ -198,9 +241,10 @@ class EngineManager(Pool):
 
     # --- the engine's health --------------------------------------------------------------------
 
-    def answered(self, entry: Entry, status: int) -> None:
-        """A forward got an answer with `status`: a run of errors gets the engine reloaded."""
-        watch.answered(self, self.members[entry.id], status)
+    def answered(self, entry: Entry, status: int, arrived: float | None = None) -> None:
+        """A forward got an answer with `status` (its first byte; the request arrived at
+        `arrived`, the pool's clock): a run of errors gets the engine's /health checked."""
+        watch.answered(self, self.members[entry.id], status, arrived)
 
     async def upstream_failed(self, entry: Entry, why: str) -> bool:
         """A forward got no usable answer; whether the engine is gone (then loaded again by the
@@ -240,52 +284,95 @@ class EngineManager(Pool):
     # --- idle unload, priming, health watch and stop -------------------------------------------
 
     async def idle_loop(self) -> None:
-        """Stop an engine once it had no request for its TTL (0: never), awake or asleep; pay
-        an engine's first sleep once it is idle; probe idle engines every health interval. The
-        TTL clock restarts at every request's start and end, so a long stream is never cut."""
+        """Stop an engine once it had no request for its TTL (0: never), awake, asleep or
+        failed (a crashed engine, or one whose stop failed, still holds the card); probe idle
+        engines every health interval. The TTL clock restarts at every request's start and
+        end, so a long stream is never cut. No engine is primed here: its first sleep is part
+        of its load (swaps.bring_up), so no request can land on it. A pass that fails (a full
+        disk under a stop, a probe that raised) says what failed and the loop goes on: it
+        ended for good once, and no TTL, probe or priming ran after (issue 35)."""
         while True:
             await asyncio.sleep(IDLE_POLL_S)
-            if self.switching():
-                continue
-            now, asked = self.clock(), {w.entry.id for w in self._queue}
-            for member in self.members.values():
-                if member.inflight or member.id in asked or member.state not in (READY, ASLEEP):
-                    continue
-                ttl = member.entry.ttl
-                if ttl and now - member.last_used >= ttl:
-                    self.say(f"{member.id} idle for {ttl:g} s: unloading")
-                    stop = Arrangement(None, stop=(member.id,))
-                    await asyncio.shield(self.start(swaps.switch(self, None, stop, "idle")))
-                    break
-                if member.ready and member.sleeps and not member.primed \
-                        and now - member.last_used >= PRIME_IDLE_S:
-                    await asyncio.shield(self.start(swaps.prime(self, member)))
-                    break
-                if member.ready and self.probe is not None \
-                        and now - member.last_ok >= self.limits.health_interval:
-                    await watch.check(self, member, "while idle")
+            try:
+                await self._idle_pass()
+            except Exception as exc:
+                self.say(f"warning: the idle watch (TTL, health probes) failed this pass: "
+                         f"{type(exc).__name__}: {exc}; it goes on")
 
-    async def shutdown(self) -> None:
+    async def _idle_pass(self) -> None:
+        if self.switching():
+            return
+        now, asked = self.clock(), {w.entry.id for w in self._queue}
+        for member in self.members.values():
+            if member.inflight or member.id in asked or member.state not in (READY, ASLEEP, FAILED):
+                continue
+            ttl = member.entry.ttl
+            if ttl and member.started and now - member.last_used >= ttl:
+                self.say(f"{member.id} idle for {ttl:g} s: unloading")
+                stop = Arrangement(None, stop=(member.id,))
+                await asyncio.shield(self.start(swaps.switch(self, None, stop, "idle")))
+                if member.started:  # the stop failed (said): tried again after another TTL
+                    member.last_used = self.clock()
+                return
+            if member.ready and self.probe is not None \
+                    and now - member.last_ok >= self.limits.health_interval:
+                await watch.check(self, member, "while idle")
+
+    async def shutdown(self, timeout: float | None = None) -> None:
         """Stop every engine the router started or adopted, awake or asleep (a boot in
-        progress is cut short)."""
+        progress is cut short), within `timeout` seconds in all (ROUTER_STOP_TIMEOUT; systemd
+        kills at 90 s, orphaning the engines): a switch still busy after a third of it (a wake
+        may hang for SLEEP_TIMEOUT_S) is cancelled, the engines are stopped side by side, and
+        one still stopping at the bound has its process group killed, which the log says."""
         self.closing = True
         self.schedule()  # every waiter learns the router is stopping
+        loop = asyncio.get_running_loop()
+        bound = self.limits.stop_timeout if timeout is None else timeout
+        deadline = loop.time() + bound
         task = self._task
         if task is not None and not task.done():
             for member in self.members.values():
                 if member.state == LOADING:
                     self.say(f"stopping: cutting the load of {member.id} short")
                     with contextlib.suppress(Exception):
-                        await asyncio.to_thread(self.lifecycle.abort, member.entry)
-            with contextlib.suppress(Exception):
-                await asyncio.shield(task)
-        failed: StackError | None = None
-        for member in [m for m in self.members.values() if m.started]:
+                        await asyncio.wait_for(asyncio.to_thread(self.lifecycle.abort,
+                                                                 member.entry), bound / 3)
+            done, _ = await asyncio.wait([task], timeout=max(0.0, deadline - 2 * bound / 3
+                                                             - loop.time()))
+            if not done:
+                busy = ", ".join(f"{m.id} {m.state}" for m in self.members.values()
+                                 if m.state not in (READY, ASLEEP, UNLOADED, FAILED))
+                self.say(f"stopping: the switch under way ({busy or 'no engine'}) is still busy "
+                         f"after {bound / 3:.0f} s: cancelled; its engines are stopped as they are")
+                task.cancel()
+                await asyncio.wait([task], timeout=1.0)
+        failed: BaseException | None = None
+        started = [m for m in self.members.values() if m.started]
+        for member in started:
             self.say(f"stopping: unloading {member.id} ({member.state})")
-            try:
-                await swaps.stop(self, member)
-            except StackError as exc:
-                failed = failed or exc
+        stops = {m.id: loop.create_task(swaps.stop(self, m)) for m in started}
+        if stops:
+            await asyncio.wait(stops.values(), timeout=max(0.0, deadline - loop.time()))
+        for member in started:
+            stopping = stops[member.id]
+            if not stopping.done():
+                self.say(f"stopping: {member.id} did not stop within {bound:g} s "
+                         "(ROUTER_STOP_TIMEOUT): killing its process group")
+                try:
+                    await asyncio.wait_for(asyncio.to_thread(self.lifecycle.kill, member.entry),
+                                           KILL_WAIT_S)
+                except Exception as exc:  # said; the next engine still goes
+                    failed = failed or StackError(f"{member.id} could not be killed: {exc}",
+                                                  "end its processes by hand (ps, kill -9)")
+                    continue
+                await asyncio.wait([stopping], timeout=KILL_WAIT_S)  # its `down` sees it gone
+                if not stopping.done():
+                    stopping.cancel()
+                    member.started = False
+                    self.set_state(member, UNLOADED)
+                self.say(f"stopping: {member.id} killed")
+            elif stopping.exception() is not None:
+                failed = failed or stopping.exception()  # every other engine was still stopped
         if failed is not None:
             raise failed
         if all(m.state in (UNLOADED, FAILED) for m in self.members.values()):

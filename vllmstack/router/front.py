@@ -5,6 +5,7 @@ duplicate Content-Length, Content-Length with Transfer-Encoding are all refused 
 sees a request). What aiohttp leaves open is added here, per connection, without parsing anything:
 
 * a cap on open connections (ROUTER_MAX_CONNECTIONS): one more is answered 503 and closed;
+* a cap per client address (ROUTER_MAX_CLIENT_CONNECTIONS), answered the same way;
 * a head that is not complete within ROUTER_HEADER_TIMEOUT of its first byte: 408 (slowloris);
 * a head over ROUTER_MAX_HEAD_BYTES in all (aiohttp bounds each line, not their sum): 431;
 * aiohttp's own refusals reshaped as OpenAI errors (a too-long line is 431, the rest 400), never
@@ -19,7 +20,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
-from typing import Any
+from typing import Any, cast
 
 from aiohttp import http_exceptions, web
 from aiohttp.web_protocol import RequestHandler
@@ -49,6 +50,14 @@ def parser_refusal(exc: BaseException | None, limits: Limits) -> tuple[int, str]
     return 400, f"malformed HTTP request: {text.rstrip(':')[:200]}"
 
 
+def peer_address(transport: asyncio.BaseTransport) -> str:
+    """The client's IP address (its port left out: one client opens many connections)."""
+    peer = transport.get_extra_info("peername")
+    if isinstance(peer, (tuple, list)) and peer:
+        return str(peer[0])
+    return str(peer or "")
+
+
 class Refusal(asyncio.Protocol):
     """A connection over the cap: answered 503 at once, closed after a short linger."""
 
@@ -56,9 +65,11 @@ class Refusal(asyncio.Protocol):
         self.limit = limit
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        transport.write(raw_response(503, f"the router holds its most client connections "
-                                          f"({self.limit}, ROUTER_MAX_CONNECTIONS); try again"))
+        # Not asyncio.Transport: uvloop's TCPTransport (the router's loop) is no subclass of it,
+        # and an isinstance assert there answered nothing at all (issue 35).
+        cast(asyncio.WriteTransport, transport).write(raw_response(
+            503, f"the router holds its most client connections ({self.limit}, "
+                 "ROUTER_MAX_CONNECTIONS); try again"))
         asyncio.get_running_loop().call_later(REFUSAL_LINGER_S, transport.close)
 
     def data_received(self, data: bytes) -> None:
@@ -76,6 +87,27 @@ class Connection(RequestHandler):
         self._head_timer: asyncio.TimerHandle | None = None
         self._counted_out = False
         self._finished = 0  # requests whose handling ended; aiohttp counts those it parsed
+        self.peer = ""  # the client's address; "" until connected, or when over its own cap
+        self._over_cap = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        """Count the connection against its peer address's cap (ROUTER_MAX_CLIENT_CONNECTIONS):
+        one client keeping a request on every connection locked everyone out (issue 35). Over
+        it: 503, and closed after the same linger as a Refusal, so the client reads the 503."""
+        super().connection_made(transport)
+        peer = peer_address(transport)
+        if not peer:
+            return  # no address to count by (not a TCP peer)
+        if self.front.clients.get(peer, 0) >= self.limits.max_client_connections:
+            self._over_cap = True
+            cast(asyncio.WriteTransport, transport).write(raw_response(
+                503, f"this client holds its most connections to the router "
+                     f"({self.limits.max_client_connections}, ROUTER_MAX_CLIENT_CONNECTIONS); "
+                     "reuse one or try again"))
+            self._loop.call_later(REFUSAL_LINGER_S, self.force_close)
+            return
+        self.peer = peer
+        self.front.clients[peer] = self.front.clients.get(peer, 0) + 1
 
     def _between_requests(self) -> bool:
         """No request parsed and unfinished: the next bytes are a head. Not `_request_in_progress`
@@ -95,6 +127,8 @@ class Connection(RequestHandler):
             self._finished += 1
 
     def data_received(self, data: bytes) -> None:
+        if self._over_cap:
+            return None  # read and dropped until the linger ends
         waiting = self._between_requests()
         if waiting and data:
             if self._head_timer is None:
@@ -132,6 +166,12 @@ class Connection(RequestHandler):
         if not self._counted_out:
             self._counted_out = True
             self.front.open -= 1
+            if self.peer:
+                left = self.front.clients.get(self.peer, 1) - 1
+                if left > 0:
+                    self.front.clients[self.peer] = left
+                else:  # the table holds connected peers only
+                    self.front.clients.pop(self.peer, None)
         super().connection_lost(exc)
 
     def handle_error(self, request: web.BaseRequest, status: int = 500,
@@ -169,6 +209,7 @@ class Front(web.Server):
                          access_log=None, lingering_time=2.0)
         self.handler, self.limits, self.say = handler, limits, say
         self.open = 0  # Connections made and not yet lost
+        self.clients: dict[str, int] = {}  # per peer address: its Connections not yet lost
 
     async def _checked(self, request: web.BaseRequest) -> web.StreamResponse:
         """The head's total size, which aiohttp bounds only line by line (a head read in one

@@ -3,7 +3,7 @@
 `invoke router` has its values converted by invoke's parser (cli/values); `python -m
 vllmstack.router` passes text; a test passes numbers. Either way a bad value ends the start with
 `error:` / `fix:` (RouterError), never a traceback: a negative, NaN or infinite duration, a port
-outside 1-65535, an unreadable or empty token file.
+outside 1-65535, an unreadable or empty token file, a token shorter than 32 bytes.
 """
 
 from __future__ import annotations
@@ -21,6 +21,10 @@ MAX_SECONDS = 7 * 24 * 3600.0
 MAX_TOKEN_FILE = 4096
 # What a client can send after "Bearer ": visible ASCII, no spaces (RFC 6750's b64token and more).
 TOKEN_TEXT = re.compile(r"[\x21-\x7e]+")
+# A token is the only lock on a router beyond loopback: short ones fall to guessing (issue 35:
+# ROUTER_TOKEN=a was taken). MAKE_TOKEN's 32 random bytes are 43 characters, well over it.
+MIN_TOKEN_BYTES = 32
+MAKE_TOKEN = "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`"
 NUMBER = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
 
 
@@ -88,20 +92,24 @@ def read_token_file(path: str | Path) -> str:
 def checked_token(token: str, where: str) -> str:
     if token and not TOKEN_TEXT.fullmatch(token):
         raise RouterError(f"{where} holds spaces or characters a client cannot send in a header",
-                          "use visible ASCII only, e.g. `python -c 'import secrets; "
-                          "print(secrets.token_urlsafe(24))'`")
+                          f"use visible ASCII only, e.g. {MAKE_TOKEN}")
+    if token and len(token) < MIN_TOKEN_BYTES:
+        raise RouterError(f"{where} is {len(token)} bytes: a token shorter than "
+                          f"{MIN_TOKEN_BYTES} bytes can be guessed",
+                          f"set {TOKEN_VAR} (or the --token-file) to a random string of at least "
+                          f"{MIN_TOKEN_BYTES} bytes, e.g. {MAKE_TOKEN}")
     return token
 
 
 def choose_token(token: str | None, token_file: str | Path | None, environ: Mapping[str, str],
-                 dotenv: str) -> str:
+                 dotenv: str, dotenv_at: str = ".env") -> str:
     """The token clients must send: --token-file, else ROUTER_TOKEN from the environment, else
-    from .env (`dotenv`). Never from the command line, where `ps` shows it; `token` is for
-    callers in the same process (tests)."""
+    from .env (`dotenv`, set at `dotenv_at`: file and line). Never from the command line, where
+    `ps` shows it; `token` is for callers in the same process (tests)."""
     if token_file:
         return read_token_file(token_file)
     if token is not None:
         return checked_token(token, "the token")
     if environ.get(TOKEN_VAR):
         return checked_token(environ[TOKEN_VAR], f"{TOKEN_VAR} in the environment")
-    return checked_token(dotenv, f"{TOKEN_VAR} in .env")
+    return checked_token(dotenv, f"{TOKEN_VAR} (set at {dotenv_at})")

@@ -19,6 +19,7 @@ from vllmstack.router.plan import Arrangement, Plan, View, exclusive_plan
 from vllmstack.router.states import FAILED, Lifecycle, ModelStatus, Swap
 
 RECENT_SWAPS = 20
+FIRST_TOKENS = 1000  # first-token times kept per model for the snapshot's percentiles
 # A swap waits this long for the old model's requests before it cuts them: long enough for any
 # ordinary answer (32k tokens at 60 t/s is under 10 minutes), short of holding the router for ever.
 DRAIN_TIMEOUT_S = 600.0
@@ -70,6 +71,18 @@ class Pool:
         # that failure; only a request arriving after it tries again.
         self.attempts: dict[str, int] = {}
         self.victims: frozenset[str] = frozenset()  # what the switch under way puts away
+        # When each model's last load failed (the pool's clock): for ROUTER_LOAD_BACKOFF after
+        # it, a client's request gets that failure at once, without a boot and without putting
+        # the awake engines away (issue 35: one SDK call with its 2 retries booted a broken
+        # profile 3 times). Cleared by a load that succeeds.
+        self.load_failed: dict[str, float] = {}
+        # Loads the pool cut short because nobody waited for them any more while requests for
+        # other models did (issue 35: a hung load held every model for its UP_TIMEOUT).
+        self.aborted: set[str] = set()
+        # Per model, the recent first-token times: from a request's arrival at the router to the
+        # engine's first answer byte (the snapshot's p50/p99; a starved model shows here).
+        self.first_tokens: dict[str, deque[float]] = {e.id: deque(maxlen=FIRST_TOKENS)
+                                                      for e in catalog.entries.values()}
         self.shown: Member | None = None  # the engine `loaded` names: the latest one brought up
 
     @property
@@ -135,6 +148,13 @@ class Pool:
         when = self.clock() if arrived is None else arrived
         return not any(first <= when and member.id in away
                        for first, away in (self.due() if due is None else due))
+
+    def backoff_left(self, entry: Entry) -> float:
+        """Seconds until a request may boot `entry` again after its failed load (0: it may)."""
+        failed = self.load_failed.get(entry.id)
+        if failed is None or not self.limits.load_backoff:
+            return 0.0
+        return max(0.0, failed + self.limits.load_backoff - self.clock())
 
     def _failed_since(self, waiter: Waiter) -> bool:
         return self.attempts.get(waiter.entry.id, 0) > waiter.seen

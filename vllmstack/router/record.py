@@ -20,14 +20,16 @@ import contextlib
 import fcntl
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import requests
 
+from vllmstack.config.envfiles import read_env_file
 from vllmstack.core.errors import StackError
 from vllmstack.core.files import write_json
 from vllmstack.core.paths import Project
+from vllmstack.router.options import TOKEN_VAR
 from vllmstack.runtime.native.procs import ProcTable
 from vllmstack.serve.running import router_alive
 
@@ -98,18 +100,36 @@ def router_lock(project: Project) -> Iterator[None]:
         os.close(fd)  # releases the flock
 
 
-def router_state(project: Project, *, timeout: float = 1.0) -> dict[str, Any] | None:
+def known_token(project: Project, environ: Mapping[str, str] | None = None) -> str:
+    """The router token this process knows, as the router looks for it: ROUTER_TOKEN in the
+    environment, else in the checkout's .env ("" when neither sets it; a --token-file's token
+    is known only to whoever passes it)."""
+    environ = os.environ if environ is None else environ
+    if environ.get(TOKEN_VAR):
+        return environ[TOKEN_VAR]
+    try:
+        lines, _ = read_env_file(project.dotenv, ".env")
+    except (OSError, ValueError):
+        return ""
+    return next((line.value for line in reversed(lines) if line.key == TOKEN_VAR), "")
+
+
+def router_state(project: Project, *, timeout: float = 1.0,
+                 token: str | None = None) -> dict[str, Any] | None:
     """The router's state for the dashboard: None when no router runs for this checkout, else
     router.json (url, pid, resident model, every model's state, recent swaps with their stop and
     start seconds), with `live` True and the current queue and in-flight counts when its
-    /v1/health answered within `timeout`."""
+    /v1/health answered within `timeout`. The request carries `token` (default: known_token),
+    since the router refuses reads without it too."""
     record = read_record(project)
     if record is None or not is_running(record):
         return None
     state = dict(record)
     state["live"] = False
+    token = known_token(project) if token is None else token
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        answer = requests.get(f"{record.get('url')}/v1/health", timeout=timeout)
+        answer = requests.get(f"{record.get('url')}/v1/health", headers=headers, timeout=timeout)
         if answer.status_code == 200:
             state.update(answer.json())
             state["live"] = True

@@ -5,20 +5,28 @@
                                 (`error`) when its last load failed
     GET  /v1/health, /health    {"status", "loaded", "state"} plus the queue, in-flight requests,
                                 every model's state and the recent swaps
-    POST /v1/chat/completions, /v1/completions, /v1/embeddings
-                                load the body's `model` if needed, then forward (streams pass
-                                through as they come)
+    POST the OpenAI paths an engine serves (GENERATION: /v1/chat/completions,
+         /v1/completions, /v1/responses, /v1/embeddings, /v1/messages, /tokenize,
+         /detokenize, the pooling, score and rerank paths, /v1/audio/transcriptions and
+         /translations)
+                                load the body's `model` (JSON, or the `model` field of an
+                                audio route's multipart form) if needed, then forward
+                                (streams pass through as they come); a path the model's
+                                engine does not serve is 404
     POST /v1/load, /v1/unload   {"model": ID} or {"model_name": ID}; unload without a model
                                 stops every engine, awake or asleep
 
 Nothing else is routed: every other path is 404, whatever the engine would answer there (its
-dev-mode endpoints /sleep, /wake_up, /collective_rpc, /reset_prefix_cache among them). Paths are
-matched as sent, not decoded, and a forward goes to the route's own path.
+dev-mode endpoints /sleep, /wake_up, /collective_rpc, /reset_prefix_cache among them, and the
+paths that name no model, such as GET /v1/responses/{id}, which no engine can be chosen for).
+Paths are matched as sent, not decoded, and a forward goes to the route's own path.
 
-POSTs change state (a load can evict another model), so they follow the dashboard's rule
-(core.access): beyond loopback, or with a token set, `Authorization: Bearer TOKEN` is required;
-on loopback without a token, a browser request must come from a loopback origin. The check
-comes before the body is read.
+Every request follows the dashboard's rule (core.access), reads included (the engines' state is
+not for strangers; vLLM's --api-key guards /v1/models too): beyond loopback, or with a token
+set, `Authorization: Bearer TOKEN` is required, and a client's repeated wrong tokens are
+answered ever later (limits.FailureThrottle); on loopback without a token, the Host must be a
+loopback name (DNS rebinding) and a browser request must come from a loopback origin. The check
+comes before the body is read; bodies held at once are bounded in all (ROUTER_MAX_QUEUED_BODY_BYTES).
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import time
 from typing import Any
 
@@ -36,7 +45,16 @@ from aiohttp.web_protocol import RequestPayloadError
 from vllmstack.core import access
 from vllmstack.router.catalog import Catalog, Entry
 from vllmstack.router.engines import EngineManager, LoadFailedError, RouterBusyError
-from vllmstack.router.limits import BodyError, Limits, error_body, parse_body, shown_name
+from vllmstack.router.limits import (
+    BodyError,
+    BodyLedger,
+    FailureThrottle,
+    Limits,
+    error_body,
+    form_field,
+    parse_body,
+    shown_name,
+)
 from vllmstack.router.stacks import DOWN_TIMEOUT_S
 from vllmstack.router.upstream import (
     Cut,
@@ -47,11 +65,31 @@ from vllmstack.router.upstream import (
     response_headers,
 )
 
-GENERATION = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+# The engines' POST routes that name their model, forwarded by it. vLLM's: the route list
+# vLLM 0.27.1 prints at boot (launcher.py "Route:" lines; ../shared/reference/vllm-captures/
+# boot.log), plus the routes it adds for a pooling model (vllm/entrypoints/pooling: embeddings,
+# pooling, classify, score, rerank) and a speech-to-text one (openai/speech_to_text: audio).
+# llama.cpp's: tools/server/server.cpp at LLAMACPP_REF (its ctx_http.post lines). Left out: the
+# dev and admin paths, the render/batch/control extras, and the routes naming no model.
+VLLM_PATHS = frozenset({
+    "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings",
+    "/v1/messages", "/v1/messages/count_tokens", "/tokenize", "/detokenize", "/pooling",
+    "/classify", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank",
+    "/v1/audio/transcriptions", "/v1/audio/translations"})
+LLAMACPP_PATHS = frozenset({
+    "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings",
+    "/v1/messages", "/v1/messages/count_tokens", "/tokenize", "/detokenize", "/rerank",
+    "/v1/rerank", "/v1/audio/transcriptions"})
+ENGINE_PATHS = {"vllm": VLLM_PATHS, "llamacpp": LLAMACPP_PATHS}
+GENERATION = VLLM_PATHS | LLAMACPP_PATHS
+# OpenAI's audio API sends a multipart form, its `model` a field of it.
+FORM_PATHS = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations"})
 LIFECYCLE = frozenset({"/v1/load", "/v1/unload"})
 READS = frozenset({"/v1/models", "/v1/health", "/health"})
 MODEL_KEYS = ("model", "model_name")
 SHOWN_PATH = 200
+# Reports of engine failures still probing (a task is kept only while referenced).
+REPORTS: set[asyncio.Task[bool]] = set()
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
@@ -72,33 +110,51 @@ class SendAgainError(Exception):
     (nothing reached it)."""
 
 
-async def read_body(request: web.BaseRequest, limits: Limits) -> bytes:
+def _queue_full(ledger: BodyLedger) -> BodyError:
+    return BodyError(503, f"the router holds {ledger.limit} bytes of request bodies "
+                          "(ROUTER_MAX_QUEUED_BODY_BYTES); try again")
+
+
+async def read_body(request: web.BaseRequest, limits: Limits,
+                    ledger: BodyLedger | None = None) -> bytes:
     """The request body, within ROUTER_MAX_BODY_BYTES (chunked too) and ROUTER_HEADER_TIMEOUT
-    between two reads; BodyError otherwise."""
+    between two reads; BodyError otherwise. Its bytes are counted in `ledger` as they are read
+    (a 503 past its total); the caller gives back len(body) when the request is done, and a
+    body refused here has given its bytes back already."""
     length = request.content_length
     if length is not None and length > limits.max_body:
         raise BodyError(413, f"the request body is {length} bytes, over {limits.max_body} "
                              "(ROUTER_MAX_BODY_BYTES)")
+    if ledger is not None and length is not None and ledger.held + length > ledger.limit:
+        raise _queue_full(ledger)  # before a byte of it is read
     if request.headers.get("expect", "").lower() == "100-continue":
         await request.writer.write(CONTINUE)
     parts: list[bytes] = []
     size = 0
-    while True:
-        try:
-            async with asyncio.timeout(limits.header_timeout):
-                data = await request.content.readany()
-        except TimeoutError:
-            raise BodyError(408, f"the request body stalled for {limits.header_timeout:g} s "
-                                 "(ROUTER_HEADER_TIMEOUT)") from None
-        except (RequestPayloadError, http_exceptions.HttpProcessingError) as exc:
-            raise BodyError(400, f"malformed request body: {str(exc).splitlines()[0][:200]}") from None
-        if not data:
-            return b"".join(parts)
-        size += len(data)
-        if size > limits.max_body:
-            raise BodyError(413, f"the request body is over {limits.max_body} bytes "
-                                 "(ROUTER_MAX_BODY_BYTES)")
-        parts.append(data)
+    try:
+        while True:
+            try:
+                async with asyncio.timeout(limits.header_timeout):
+                    data = await request.content.readany()
+            except TimeoutError:
+                raise BodyError(408, f"the request body stalled for {limits.header_timeout:g} s "
+                                     "(ROUTER_HEADER_TIMEOUT)") from None
+            except (RequestPayloadError, http_exceptions.HttpProcessingError) as exc:
+                raise BodyError(400, f"malformed request body: "
+                                     f"{str(exc).splitlines()[0][:200]}") from None
+            if not data:
+                return b"".join(parts)
+            if size + len(data) > limits.max_body:
+                raise BodyError(413, f"the request body is over {limits.max_body} bytes "
+                                     "(ROUTER_MAX_BODY_BYTES)")
+            if ledger is not None and not ledger.take(len(data)):
+                raise _queue_full(ledger)
+            size += len(data)
+            parts.append(data)
+    except BaseException:
+        if ledger is not None:
+            ledger.give(size)
+        raise
 
 
 def protocol_problem(request: web.BaseRequest) -> str | None:
@@ -123,6 +179,8 @@ class RouterApp:
         self.auth_required = access.token_required(exposed_on, token)
         self.load_timeout = load_timeout
         self.created = int(time.time())
+        self.ledger = BodyLedger(self.limits.max_queued_body)
+        self.throttle = FailureThrottle()
         # The client's bearer token is the router's, not the engine's: it stays here.
         self.drop = frozenset({"authorization"}) if token else frozenset()
 
@@ -135,21 +193,31 @@ class RouterApp:
         problem = protocol_problem(request)
         if problem:
             return refuse(400, problem, close=True)
+        # Every route, reads included: /v1/health and /v1/models told anyone the engines'
+        # state, past a token and to a rebound host name (issue 35).
+        denied = self.denial(request)
+        if denied is not None:
+            if denied.status == 401:  # a wrong token: slower at every guess (FailureThrottle)
+                await asyncio.sleep(self.throttle.failed(request.remote or "", time.monotonic()))
+            return denied
         if method == "GET" and path == "/v1/models":
             return reply(200, self.models())
         if method == "GET" and path in ("/v1/health", "/health"):
             return reply(200, self.manager.snapshot())
         if method == "POST" and (path in GENERATION or path in LIFECYCLE):
-            denied = self.denial(request)
-            if denied is not None:
-                return denied
             try:
-                body = await read_body(request, self.limits)
+                body = await read_body(request, self.limits, self.ledger)
             except BodyError as exc:
-                return refuse(exc.status, exc.message, close=True)
-            if path in GENERATION:
-                return await self.generate(request, path, body)
-            return await (self.load(body) if path == "/v1/load" else self.unload(body))
+                refused = refuse(exc.status, exc.message, close=True)
+                if exc.status == 503:
+                    refused.headers["Retry-After"] = "1"
+                return refused
+            try:  # the body's bytes stay counted until the request is done
+                if path in GENERATION:
+                    return await self.generate(request, path, body)
+                return await (self.load(body) if path == "/v1/load" else self.unload(body))
+            finally:
+                self.ledger.give(len(body))
         if path in GENERATION or path in LIFECYCLE or path in READS:
             return refuse(405, f"{method[:20]} is not allowed on {path}")
         return refuse(404, f"no route {path[:SHOWN_PATH]}")
@@ -202,25 +270,44 @@ class RouterApp:
     def failed(self, entry: Entry, exc: LoadFailedError | RouterBusyError) -> web.Response:
         message = (f"{entry.id} could not be loaded: {exc.cause}"
                    if isinstance(exc, LoadFailedError) else exc.cause)
-        return refuse(503, message, param="model",
-                      diagnosis={"cause": exc.cause, "fix": exc.fix or ""})
+        refused = refuse(503, message, param="model",
+                         diagnosis={"cause": exc.cause, "fix": exc.fix or ""})
+        left = self.manager.backoff_left(entry)
+        if isinstance(exc, LoadFailedError) and left:
+            # When a retry can boot it again (ROUTER_LOAD_BACKOFF); until then a retry gets
+            # this answer again, so the OpenAI SDK is told not to retry (its x-should-retry):
+            # its 2 retries booted a broken profile 3 times (issue 35).
+            refused.headers["Retry-After"] = str(math.ceil(left))
+            refused.headers["x-should-retry"] = "false"
+        return refused
 
     # --- routes -------------------------------------------------------------------------------
 
     async def generate(self, request: web.BaseRequest, path: str, body: bytes
                        ) -> web.StreamResponse:
-        try:
-            data = parse_body(body, self.limits)
-        except BodyError as exc:
-            return refuse(exc.status, exc.message)
+        kind = request.headers.get("content-type", "")
+        form = form_field(body, kind, "model") if path in FORM_PATHS else None
+        if path in FORM_PATHS and kind.lower().startswith("multipart/"):
+            # An audio upload: `model` is a form field; the file part is never decoded.
+            data: Any = {} if form is None else {"model": form[0]}
+        else:
+            try:
+                data = parse_body(body, self.limits)
+            except BodyError as exc:
+                return refuse(exc.status, exc.message)
         entry = self.entry_for(data, strict=False)
         if isinstance(entry, web.Response):
             return entry
+        if path not in ENGINE_PATHS.get(entry.engine, GENERATION):
+            return refuse(404, f"the engine of {entry.id} ({entry.engine}) does not serve "
+                               f"{path}", param="model")
         if data["model"] != entry.id:  # named by its profile: the engine knows its served name
-            body = json.dumps({**data, "model": entry.id}).encode()
+            body = (body[:form[1]] + entry.id.encode() + body[form[2]:] if form is not None
+                    else json.dumps({**data, "model": entry.id}).encode())
         query = request.rel_url.raw_query_string
         target = path + ("?" + query if query else "")
         headers = request_headers(request.headers.items(), self.drop)
+        arrived = self.manager.clock()  # its first-token time counts from here (the snapshot's)
         for attempt in (1, 2):
             try:
                 url = await self.manager.acquire(entry, self.timeout_for(entry))
@@ -230,7 +317,7 @@ class RouterApp:
             self.manager.hold(entry, cut)
             try:
                 return await self.forward(request, entry, url + target, headers, body, cut,
-                                          retry=attempt == 1)
+                                          retry=attempt == 1, arrived=arrived)
             except SendAgainError:
                 continue
             finally:
@@ -240,22 +327,25 @@ class RouterApp:
         raise AssertionError("unreachable: the second attempt never retries")
 
     async def forward(self, request: web.BaseRequest, entry: Entry, url: str, headers: Any,
-                      body: bytes, cut: Cut, *, retry: bool) -> web.StreamResponse:
+                      body: bytes, cut: Cut, *, retry: bool, arrived: float | None = None
+                      ) -> web.StreamResponse:
         try:
             async with self.upstream.open(url, headers, body, cut) as answer:
-                self.manager.answered(entry, answer.status)
+                self.manager.answered(entry, answer.status, arrived)
                 response = web.StreamResponse(status=answer.status, reason=answer.reason,
                                               headers=response_headers(answer))
                 length = answer.headers.get("content-length")
                 if length is not None and length.isdigit() and "transfer-encoding" not in answer.headers:
                     response.content_length = int(length)
-                else:
+                elif request.version >= aiohttp.HttpVersion11:
                     response.enable_chunked_encoding()
+                else:  # HTTP/1.0 has no chunks (a 500 with them): the body ends at the close
+                    response.force_close()
                 await response.prepare(request)
                 try:
                     await relay(answer, response)
                 except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-                    await self.broken_off(request, response, cut, exc)
+                    await self.broken_off(request, entry, response, cut, exc)
                     return response
                 await response.write_eof()
                 return response
@@ -275,11 +365,13 @@ class RouterApp:
             return refuse(502, f"the engine of {entry.id} did not answer: {exc}"
                                + ("; the next request loads it again" if gone else ""))
 
-    async def broken_off(self, request: web.BaseRequest, response: web.StreamResponse, cut: Cut,
-                         exc: BaseException) -> None:
+    async def broken_off(self, request: web.BaseRequest, entry: Entry,
+                         response: web.StreamResponse, cut: Cut, exc: BaseException) -> None:
         """The engine's answer stopped before its end: cut by the router (a swap's drain, a
         stop), timed out, or dropped by the engine. A stream gets an SSE error event; then the
-        client connection closes without the body's end, so no client takes it as complete."""
+        client connection closes without the body's end, so no client takes it as complete.
+        One the router did not cut is the engine's failure: its /health is probed, and a dead
+        engine is marked failed (issue 35: /v1/health said ready while its process was gone)."""
         if cut.reason:
             status, message = 503, cut.reason
         elif isinstance(exc, TimeoutError):
@@ -291,6 +383,11 @@ class RouterApp:
             event = b"data: " + json.dumps(error_body(message, status)).encode() + b"\n\n"
             with contextlib.suppress(ConnectionError, RuntimeError):
                 await response.write(event)
+        if not cut.reason:  # a task of its own: closing the client ends this handler
+            report = asyncio.get_running_loop().create_task(
+                self.manager.upstream_failed(entry, f"its answer broke off: {message}"))
+            REPORTS.add(report)
+            report.add_done_callback(REPORTS.discard)
         if request.transport is not None:
             request.transport.close()  # after the error event; the final chunk is never sent
 

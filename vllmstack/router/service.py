@@ -29,7 +29,7 @@ import vllmstack.router.options as options
 from vllmstack.core import access
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner, SubprocessRunner
-from vllmstack.observe.health import identify_server
+from vllmstack.observe.health import health_status, identify_server
 from vllmstack.router.catalog import Catalog, build_catalog
 from vllmstack.router.engines import DRAIN_TIMEOUT_S, EngineManager, Lifecycle
 from vllmstack.router.front import Front
@@ -43,6 +43,7 @@ from vllmstack.router.stacks import ROUTER_DIR, StackLifecycle
 from vllmstack.router.upstream import Upstream
 from vllmstack.runtime.gpu import probe_for
 from vllmstack.runtime.select import requested_runtime, runs_several
+from vllmstack.serve.engines import OtherEngine, recorded_engines
 from vllmstack.serve.state import StateError, read_state
 
 DEFAULT_HOST = "127.0.0.1"
@@ -78,12 +79,13 @@ def run_router(project: Project, environ: Mapping[str, str], *, host: str = DEFA
                                     runner=runner)
         first = next(iter(catalog.entries.values())).resolved
         limits = read_limits(first)
-        token = options.choose_token(token, token_file, environ, first.get_raw(TOKEN_VAR))
+        token = options.choose_token(token, token_file, environ, first.get_raw(TOKEN_VAR),
+                                     first.source(TOKEN_VAR) or ".env")
         if access.exposed_without_token(host, token):
             raise RouterError(
                 f"the router would listen on {host}, reachable from other machines, without a token",
-                f"set {TOKEN_VAR} in the environment or .env, or pass --token-file FILE (any long "
-                "random string, e.g. `python -c 'import secrets; print(secrets.token_urlsafe(24))'`; "
+                f"set {TOKEN_VAR} in the environment or .env, or pass --token-file FILE (a random "
+                f"string of at least {options.MIN_TOKEN_BYTES} bytes, e.g. {options.MAKE_TOKEN}; "
                 f"clients send it as 'Authorization: Bearer TOKEN'), or listen on {DEFAULT_HOST} "
                 "(--host)")
         say = logger(project, out)
@@ -162,15 +164,29 @@ def logger(project: Project, out: TextIO) -> Callable[[str], None]:
     pipe gone) does not stop the log file."""
     lock = threading.Lock()
     path = project.generated / ROUTER_DIR / "router.log"
-    path.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+    failing: list[str] = []  # the log file's write error, said once until a write succeeds
+
+    def show(text: str) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            print(text, file=out, flush=True)
 
     def say(line: str) -> None:
         text = f"{time.strftime('%H:%M:%S')} {line}"
         with lock:
-            with contextlib.suppress(OSError, ValueError):
-                print(text, file=out, flush=True)
-            with path.open("a", encoding="utf-8") as handle:
-                handle.write(text + "\n")
+            show(text)
+            try:
+                with path.open("a", encoding="utf-8") as handle:
+                    handle.write(text + "\n")
+            except OSError as exc:
+                # A full disk (ENOSPC) must not fail what was being said: a swap, a stop.
+                if not failing:
+                    failing.append(str(exc.strerror or exc))
+                    show(f"{time.strftime('%H:%M:%S')} warning: cannot write {path}: "
+                         f"{failing[0]}; the router goes on without its log file until it can")
+            else:
+                failing.clear()
 
     return say
 
@@ -211,23 +227,52 @@ async def _serve(project: Project, catalog: Catalog, lifecycle: Lifecycle, *, ho
     started = time.time()
     me = identity()
     manager: EngineManager
+    unwritten: set[str] = set()  # the reports that failed to write, said once until they heal
+
+    def report(what: str, write: Callable[[], None]) -> None:
+        """router.json and the memory store are reports: a full disk (FileWriteError, ENOSPC)
+        must not fail the swap or the stop whose state change wrote them (issue 35)."""
+        try:
+            write()
+        except OSError as exc:
+            if what not in unwritten:
+                unwritten.add(what)
+                say(f"warning: {exc}; the router goes on serving, {what} is stale until a "
+                    "write succeeds")
+        else:
+            unwritten.discard(what)
 
     def record() -> None:
         snap = manager.snapshot()
-        write_record(project, {**me, "url": url, "host": host, "port": port,
-                               "platform": catalog.platform, "started": started,
-                               "auth_required": access.token_required(host, token), **snap})
+        report("generated/router.json", lambda: write_record(project, {
+            **me, "url": url, "host": host, "port": port, "platform": catalog.platform,
+            "started": started, "auth_required": access.token_required(host, token), **snap}))
 
     upstream = Upstream(limits)
     manager = EngineManager(catalog, lifecycle, say=say, on_change=record,
                             drain_timeout=drain_timeout, limits=limits, probe=upstream.probe,
-                            plan=plan, remember=lambda profile, figures: write_store(
-                                project, profile, **figures))
+                            plan=plan, remember=lambda profile, figures: report(
+                                "generated/router/memory.json",
+                                lambda: write_store(project, profile, **figures)))
     app = RouterApp(catalog, manager, upstream, token=token, exposed_on=host,
                     load_timeout=load_timeout, limits=limits)
     front = Front(app.handle, limits, say=say)
+    outside = await asyncio.to_thread(outside_engines, project, catalog)
+    if outside:
+        raise RouterError(
+            f"{outside[0].shown} runs, and its profile is not one of the router's "
+            f"({', '.join(catalog.entries)}): the router would neither adopt nor stop it, and "
+            "every load would be refused beside it"
+            + (f" ({len(outside) - 1} more: {', '.join(o.shown for o in outside[1:])})"
+               if len(outside) > 1 else ""),
+            "add its profile to --profiles (the router then adopts it), or stop it first: "
+            "invoke down")
     try:
-        server = await loop.create_server(front, host, port, reuse_address=True, backlog=1024)
+        # Bound, not yet listening (a connection is refused): a taken port is an error before
+        # anything is adopted, and no request reaches an engine the router has not adopted yet
+        # (one sent as a restarted router began to listen reached a sleeping engine: a 500).
+        server = await loop.create_server(front, host, port, reuse_address=True, backlog=1024,
+                                          start_serving=False)
     except OSError as exc:
         taken = exc.errno == errno.EADDRINUSE
         raise RouterError(
@@ -251,6 +296,7 @@ async def _serve(project: Project, catalog: Catalog, lifecycle: Lifecycle, *, ho
             held = plan.usage(manager.views())
             plan.baseline = max(0, plan.baseline - held)
         record()
+        await server.start_serving()
         names = ", ".join(f"{e.id} ({e.profile}, {e.engine}, {manager.members[e.id].mode}, "
                           f"ttl {e.ttl:g} s)" for e in catalog.entries.values())
         say(f"router on {url}/v1 for platform {catalog.platform}: {names}")
@@ -261,27 +307,53 @@ async def _serve(project: Project, catalog: Catalog, lifecycle: Lifecycle, *, ho
     finally:
         await _close(server, front, manager, upstream, idle)
         try:
-            await manager.shutdown()
+            await manager.shutdown(limits.stop_timeout)
         finally:
             for sig in STOP_SIGNALS:
                 loop.remove_signal_handler(sig)
-            remove_record(project, me)
-    say("stopped; no engine left running")
+            with contextlib.suppress(OSError):
+                remove_record(project, me)
+    left = await asyncio.to_thread(running_engines, project)
+    if left:  # never "none left" while one answers (one outside --profiles, one it failed to end)
+        say("stopped; still running: " + "; ".join(o.shown for o in left)
+            + " (not the router's to stop: `invoke down` stops every engine of the checkout)")
+    else:
+        say("stopped; no engine left running")
     return 0
+
+
+def running_engines(project: Project) -> list[OtherEngine]:
+    """The checkout's engines that answer on their port now, as their state files name them."""
+    return [e for e in recorded_engines(project)
+            if e.url and health_status(e.url, timeout=1.0) is not None]
+
+
+def outside_engines(project: Project, catalog: Catalog) -> list[OtherEngine]:
+    """Engines of the checkout that run but are no engine of the catalog: a named engine of a
+    profile outside --profiles, or `invoke up`'s default engine where the router runs named
+    ones. The router's loads would be refused beside them (serve.guards' checkout-engine)."""
+    slots = {e.slot for e in catalog.entries.values()}
+    return [e for e in running_engines(project) if e.slot not in slots]
 
 
 async def _close(server: asyncio.AbstractServer, front: Front, manager: EngineManager,
                  upstream: Upstream, idle: asyncio.Task[None] | None) -> None:
-    """Stop accepting; end the streams in flight with an error event; close every connection."""
+    """Stop accepting; answer the queued requests 503 and end the streams in flight with an
+    error event; close every connection once its answer is written."""
     server.close()
     if idle is not None:
         idle.cancel()
+    # The queue first: a request waiting for a load gets its 503 ("the router is stopping")
+    # before its connection closes, not a dropped connection (issue 35).
+    manager.closing = True
+    manager.schedule()
     if manager.cut_all("the router is stopping"):
         deadline = time.monotonic() + CUT_WAIT_S
         while manager.inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-    for connection in front.connections:
-        connection.force_close()
+    # aiohttp's graceful close: each handler still writing (a 503, an error event) gets up to
+    # CUT_WAIT_S, then it is cancelled and the connection closed; idle ones close at once.
+    await front.shutdown(CUT_WAIT_S)
     with contextlib.suppress(asyncio.TimeoutError):
         await asyncio.wait_for(server.wait_closed(), 5)
     await upstream.close()

@@ -6,6 +6,7 @@ model's own log, generated/router/<profile>.log, and line by line, named, to the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import shlex
@@ -20,6 +21,7 @@ import requests
 
 from vllmstack.config.profiles import Resolved, Setting
 from vllmstack.core.errors import StackError
+from vllmstack.core.files import remove_file
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner
 from vllmstack.observe.health import health_status, is_sleeping
@@ -30,7 +32,7 @@ from vllmstack.runtime.engine_env import engine_env_words
 from vllmstack.runtime.gpu import GpuMemory, GpuProbe, NoGpuProbe, probe_for, total_used
 from vllmstack.serve import lifecycle
 from vllmstack.serve.stack import Stack
-from vllmstack.serve.state import StateError, read_state
+from vllmstack.serve.state import StateError, read_state, state_path
 
 ROUTER_DIR = "router"
 # `down` waits this long for the GPU memory to be released (as `invoke down` does by default).
@@ -42,6 +44,8 @@ SLEEP_FLAG = "--enable-sleep-mode"
 DEV_MODE = "VLLM_SERVER_DEV_MODE=1"  # what exposes /sleep and /wake_up (loopback only)
 # A first sleep pins host buffers for the weights: 41 s for a 27B on an H200.
 SLEEP_TIMEOUT_S = 600.0
+# How long a load cut short by the router's stop waits for that stop to say how it ended.
+ABORT_WAIT_S = 120.0
 # The engine plugin behind ROUTER_SLEEP_FREES=kv (a sys.path entry: the package and its
 # .dist-info, whose entry point vLLM loads in every process it starts).
 PLUGIN_DIR = "engine-plugins"
@@ -50,21 +54,43 @@ FREES_ENV = "VLLMSTACK_SLEEP_FREES"
 
 class LineLog(io.TextIOBase):
     """A text sink for a lifecycle call: every write goes to the model's log file at once, and
-    each complete line to `say`, prefixed with the model's name."""
+    each complete line to `say`, prefixed with the model's name (and to `keep`, when given).
+    A log file that cannot be written (a full disk) is dropped, said once: a load or a stop
+    never fails for its log (issue 35)."""
 
-    def __init__(self, path: Path, say: Callable[[str], None], prefix: str) -> None:
+    def __init__(self, path: Path, say: Callable[[str], None], prefix: str,
+                 keep: list[str] | None = None) -> None:
         super().__init__()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = path.open("a", encoding="utf-8")
-        self._say, self._prefix, self._partial = say, prefix, ""
+        self._say, self._prefix, self._partial, self._keep = say, prefix, "", keep
         self._lock = threading.Lock()
+        self._path = path
+        self._file: TextIO | None = None
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = path.open("a", encoding="utf-8")
+        except OSError as exc:
+            self._lost(exc)
+
+    def _lost(self, exc: OSError) -> None:
+        self._say(f"{self._prefix}warning: cannot write {self._path}: {exc.strerror or exc}; "
+                  "this model's log goes to the router's log only")
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.close()
+        self._file = None
 
     def write(self, text: str) -> int:
         with self._lock:
-            self._file.write(text)
-            self._file.flush()
+            if self._file is not None:
+                try:
+                    self._file.write(text)
+                    self._file.flush()
+                except OSError as exc:
+                    self._lost(exc)
             *lines, self._partial = (self._partial + text).split("\n")
         for line in lines:
+            if self._keep is not None:
+                self._keep.append(line)
             self._say(f"{self._prefix}{line}")
         return len(text)
 
@@ -75,7 +101,9 @@ class LineLog(io.TextIOBase):
         if self._partial:
             self._say(f"{self._prefix}{self._partial}")
             self._partial = ""
-        self._file.close()
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.close()
         super().close()
 
 
@@ -94,6 +122,9 @@ class StackLifecycle:
         entries = list(catalog.entries.values()) if catalog is not None else []
         # The pool's engines: starting one never counts the others as another engine.
         self.siblings = frozenset(e.slot for e in entries if e.slot)
+        # Loads the router cut short as it stops (abort): when it is done, and what the stop
+        # printed; such a load is reported as the router's stop, never diagnosed as a crash.
+        self.aborts: dict[str, tuple[threading.Event, list[str]]] = {}
         first = entries[0].resolved if entries else None
         self.probe: GpuProbe = NoGpuProbe() if first is None else probe_for(
             first.get_str("GPU_VENDOR"), runner, unified_memory=first.get_bool("UNIFIED_MEMORY"),
@@ -103,8 +134,9 @@ class StackLifecycle:
         return self.project.generated / ROUTER_DIR / f"{entry.profile}.log"
 
     @contextmanager
-    def stack(self, entry: Entry, resolved: Resolved | None = None) -> Iterator[Stack]:
-        out = LineLog(self.log_path(entry), self.say, f"[{entry.id}] ")
+    def stack(self, entry: Entry, resolved: Resolved | None = None,
+              keep: list[str] | None = None) -> Iterator[Stack]:
+        out = LineLog(self.log_path(entry), self.say, f"[{entry.id}] ", keep)
         try:
             yield lifecycle.open_stack(self.project, resolved or entry.resolved, self.environ,
                                        self.runner, runtime=self.runtime, out=cast(TextIO, out),
@@ -117,14 +149,35 @@ class StackLifecycle:
         resolved = with_start_options(entry.resolved, util, sleep_mode,
                                       plugins=self.project.root / PLUGIN_DIR if frees == KV else None,
                                       inherited=self.environ.get("PYTHONPATH", ""))
+        self.aborts.pop(entry.id, None)
+        began = time.monotonic()
         with self.stack(entry, resolved) as stack:
             try:
                 result = lifecycle.up(stack, dashboard=False)
             except StackError as exc:
-                print(exc.render(), file=stack.out)  # the evidence (log lines) and the diagnosis
+                cut = self._cut_short(entry, time.monotonic() - began)
+                # the evidence (log lines) and the diagnosis; or that the router stopped it
+                print((cut or exc).render(), file=stack.out)
                 self._end_started(entry, stack)
+                if cut is not None:
+                    raise cut from exc
                 raise
             return Loaded(result.url, result.boot_seconds, result.warmup_seconds or 0.0)
+
+    def _cut_short(self, entry: Entry, seconds: float) -> StackError | None:
+        """A load the router's stop cut short (abort) ends as that, not as a crash: the engine
+        the router SIGKILLed after its grace exited with 137, and the diagnosis blamed a
+        warning in its log (issue 35). None for a load nobody stopped."""
+        aborted = self.aborts.get(entry.id)
+        if aborted is None:
+            return None
+        done, lines = aborted
+        done.wait(ABORT_WAIT_S)  # the stop's own line says how the engine ended
+        how = next((line for line in reversed(lines) if line.startswith("stopped")), None)
+        return StackError(
+            f"the load of {entry.id} was cut short after {seconds:.1f} s: stopped by the router, "
+            "which is stopping" + (f" ({how})" if how else ""),
+            "nothing to fix: the router stops its engines when it stops; start it again to serve")
 
     def _end_started(self, entry: Entry, stack: Stack) -> None:
         """A load that failed after its engine started (the warm-up request failed): end that
@@ -134,11 +187,18 @@ class StackLifecycle:
             state = read_state(self.project, entry.slot) or {}
         except StateError:
             return
-        if state.get("profile") == entry.profile and stack.engine.state().running:
+        if state.get("profile") != entry.profile:
+            return
+        if stack.engine.state().running:
             try:
                 lifecycle.down(stack, timeout=DOWN_TIMEOUT_S)
             except StackError as exc:
                 print(f"the failed load's engine did not stop: {exc.render()}", file=stack.out)
+        elif entry.slot:
+            # `up` stopped it (a boot that timed out or died, a load cut short): its state file
+            # would show it in `invoke status` as "not answering" (issue 35). Its log stays.
+            with contextlib.suppress(OSError):
+                remove_file(state_path(self.project, entry.slot))
 
     def unload(self, entry: Entry) -> None:
         with self.stack(entry) as stack:
@@ -149,7 +209,20 @@ class StackLifecycle:
                 raise
 
     def abort(self, entry: Entry) -> None:
-        with self.stack(entry) as stack:
+        done, lines = threading.Event(), list[str]()
+        self.aborts[entry.id] = (done, lines)
+        try:
+            with self.stack(entry, keep=lines) as stack:
+                stack.engine.stop()
+        finally:
+            done.set()
+
+    def kill(self, entry: Entry) -> None:
+        """The stop ran past ROUTER_STOP_TIMEOUT: the engine's stop without a grace (SIGTERM
+        and at once SIGKILL to its process group), whatever its `down` is still waiting for."""
+        values = {**entry.resolved.values,
+                  "NATIVE_STOP_GRACE": Setting("NATIVE_STOP_GRACE", "0", "--set")}
+        with self.stack(entry, dataclasses.replace(entry.resolved, values=values)) as stack:
             stack.engine.stop()
 
     def sleep(self, entry: Entry) -> Slept:

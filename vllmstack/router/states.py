@@ -73,6 +73,10 @@ class Lifecycle(Protocol):
     def abort(self, entry: Entry) -> None:
         """Cut a boot short (the router is stopping): the load then fails at once."""
 
+    def kill(self, entry: Entry) -> None:
+        """End the engine's process group now, without its stop grace (a stop that ran past
+        ROUTER_STOP_TIMEOUT)."""
+
     def adoptable(self, catalog: Catalog) -> list[Adopted]:
         """Healthy engines of the catalog's profiles that already run."""
 
@@ -105,7 +109,7 @@ class Swap:
     start_s: float
     total_s: float
     ok: bool
-    reason: str  # "request", "unload", "idle", "prime"
+    reason: str  # "request", "unload", "idle"
     at: float = field(default_factory=time.time)
     error: str | None = None
     boot_s: float = 0.0  # of start_s: the engine's boot to /health 200

@@ -1,7 +1,8 @@
 """A switch, step by step (the pool's, engines.Pool): the engines that give way are
 drained, then put to sleep or stopped; the target is woken, or started with the share of the
 card the plan leaves it (checked against the card's free memory first); an engine's first,
-slow sleep is paid right after its load when no client waits (`prime`). After every sleep the
+slow sleep is paid as part of its load, before it is declared ready (`pay_first_sleep`), never
+later while idle, where a request arriving just then would wait for it. After every sleep the
 card's own used memory says whether it was released (plan.judge_sleep); where it was not, the
 profile swaps by restart from then on, and the router's memory store keeps why.
 """
@@ -56,13 +57,23 @@ async def switch(pool: Pool, target: Entry | None, arrangement: Arrangement,
         error = exc if isinstance(exc, StackError) else StackError(
             f"{type(exc).__name__}: {exc}", "see the router's log; this is a bug of the router")
         swap.ok, swap.error = False, error.cause
+        if member is not None and member.id in pool.aborted:
+            # Cut short because nobody waited for it: not the profile's failure, so no back-off
+            # and no error for a request that comes later; that one loads it anew.
+            swap.error = f"cut short: no request waited for it ({error.cause})"
+            pool.set_state(member, UNLOADED)
+            pool.say(f"the load of {member.id} was cut short: no request waited for it")
+            return
         if member is not None:
             pool.attempts[member.id] = pool.attempts.get(member.id, 0) + 1
+            pool.load_failed[member.id] = pool.clock()
             pool.set_state(member, FAILED, error)
         pool.say(f"{'bringing up ' + member.id if member else 'unloading'} failed: {error.cause}"
                  + (f"\n  fix: {error.fix}" if error.fix else ""))
     finally:
         pool.victims = frozenset()
+        if member is not None:
+            pool.aborted.discard(member.id)
         swap.total_s = pool.clock() - began
         pool.swaps.append(swap)
         pool.on_change()
@@ -128,10 +139,14 @@ async def bring_up(pool: Pool, member: Member, arrangement: Arrangement, swap: S
         member.url, member.util = loaded.url, util if util is not None else member.util
         member.load_s = swap.start_s
         swap.boot_s, swap.warmup_s, swap.util = loaded.boot_s, loaded.warmup_s, util
-        pool.set_state(member, READY)
-        clients = any(w.entry is entry and not w.api for w in pool.waiters)
-        if member.sleeps and not member.primed and not clients:
+        if member.sleeps and not member.primed:
+            # Always here, before the engine is declared ready: the first sleep is part of the
+            # load, which its waiting clients wait for anyway. Paid later, while idle, a request
+            # that arrived just then waited for it (issue 35: 15 s for an 8B, 50 s for a 27B).
             await pay_first_sleep(pool, member, swap)
+        if not member.ready:
+            pool.set_state(member, READY)
+    pool.load_failed.pop(member.id, None)
     now = pool.clock()
     member.last_used = member.last_ok = member.ready_at = now
     member.errors = 0
@@ -191,6 +206,13 @@ async def sleep(pool: Pool, member: Member, *, stop_unreleased: bool) -> bool:
     try:
         slept = await asyncio.to_thread(pool.lifecycle.sleep, entry)
     except StackError as exc:
+        if not stop_unreleased and not await answers(pool, member):
+            # Its process is gone (issue 35: a dead engine was marked ready here): not a
+            # fallback, a failure the caller's load reports.
+            raise StackError(f"the engine of {entry.id} stopped answering at {member.url} "
+                             f"during its sleep ({exc.cause})",
+                             f"see its log (invoke logs, or generated/router/{entry.profile}.log)"
+                             "; the next request loads it again") from exc
         # Not the card's doing (an engine started without sleep mode, a dev endpoint that did
         # not answer): restart until this engine is stopped, and nothing kept in the store.
         fall_back(pool, member, f"its sleep failed: {exc.cause}", keep=False)
@@ -220,6 +242,16 @@ async def sleep(pool: Pool, member: Member, *, stop_unreleased: bool) -> bool:
     pool.say(f"{member.id} asleep after {slept.seconds:.2f} s"
              + (" (its first sleep)" if first else "") + f"; {verdict.text}")
     return True
+
+
+async def answers(pool: Pool, member: Member) -> bool:
+    """Whether the engine answers /health (True where the pool has no probe)."""
+    if pool.probe is None or member.url is None:
+        return True
+    try:
+        return await pool.probe(member.url)
+    except Exception:  # a probe that raised is an engine that did not answer
+        return False
 
 
 def fall_back(pool: Pool, member: Member, why: str, *, keep: bool = True) -> None:
@@ -253,33 +285,18 @@ async def pay_first_sleep(pool: Pool, member: Member, swap: Swap) -> None:
         swap.wake_s += pool.clock() - woke
 
 
-async def prime(pool: Pool, member: Member) -> None:
-    """In the background, while the engine is idle: its first sleep (see pay_first_sleep)."""
-    swap = Swap(None, member.id, 0.0, 0.0, 0.0, True, "prime")
-    began = pool.clock()
-    pool.victims = frozenset({member.id})
-    try:
-        await pay_first_sleep(pool, member, swap)
-    except StackError as exc:
-        swap.ok, swap.error = False, exc.cause
-        pool.set_state(member, FAILED, exc)
-        pool.say(f"{member.id}: its first sleep failed: {exc.cause}")
-    finally:
-        pool.victims = frozenset()
-        swap.total_s = pool.clock() - began
-        pool.swaps.append(swap)
-        pool.on_change()
-
-
 async def stop(pool: Pool, member: Member) -> None:
     """Stop an engine, awake or asleep (`invoke down` for its profile's engine)."""
     pool.set_state(member, UNLOADING)
     pool.say(f"unloading {member.id} ({member.entry.profile})")
     try:
         await asyncio.to_thread(pool.lifecycle.unload, member.entry)
-    except StackError as exc:
-        pool.set_state(member, FAILED, exc)
-        raise StackError(f"{member.id} could not be stopped: {exc.cause}", exc.fix) from exc
+    except Exception as exc:  # an OSError too (a full disk): never left `unloading` for good
+        error = exc if isinstance(exc, StackError) else StackError(
+            f"{type(exc).__name__}: {exc}", "see the router's log; the idle TTL or the next "
+            "request tries again")
+        pool.set_state(member, FAILED, error)
+        raise StackError(f"{member.id} could not be stopped: {error.cause}", error.fix) from exc
     member.started, member.url, member.util, member.swap = False, None, None, None
     member.adopted = False
     if member.temporary:  # started anew, it sleeps as its profile says

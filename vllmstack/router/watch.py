@@ -5,6 +5,8 @@ shared), answers and failed forwards, the first answer after a swap, and the sna
 from __future__ import annotations
 
 import asyncio
+import math
+from collections.abc import Iterable
 from typing import Any
 
 from vllmstack.router.member import Member
@@ -34,11 +36,14 @@ async def fresh(pool: Pool, member: Member) -> bool:
     return await check(pool, member, "after a pause")
 
 
-def answered(pool: Pool, member: Member, status: int) -> None:
-    """A forward got an answer: the first after a swap is timed; a run of errors gets the
-    engine checked and loaded again."""
+def answered(pool: Pool, member: Member, status: int, arrived: float | None = None) -> None:
+    """A forward got an answer: its first-token time is kept (from `arrived`, the request's
+    arrival), the first after a swap is timed; a run of errors gets the engine's /health
+    checked, and only an engine that fails it is loaded again."""
     now = pool.clock()
     member.last_ok = now
+    if arrived is not None:
+        pool.first_tokens[member.id].append(now - arrived)
     swap = member.swap
     if swap is not None:
         member.swap = None
@@ -57,9 +62,18 @@ def answered(pool: Pool, member: Member, status: int) -> None:
 
 
 async def _reload_after(pool: Pool, member: Member, run: str) -> None:
-    healthy = await pool.probe(member.url) if pool.probe and member.url else False
-    pool.engine_gone(member.entry,
-                     f"{run}; its /health {'answers 200' if healthy else 'does not answer'}")
+    """Restart only when health fails: any client that can provoke a 500 (a bad prompt, a tool
+    call the engine rejects) restarted a shared engine whose /health answered 200 (issue 35)."""
+    if pool.probe is None or member.url is None:
+        return  # nothing to ask: the next failed forward decides
+    try:
+        healthy = await pool.probe(member.url)
+    except Exception:
+        healthy = False
+    if healthy:
+        pool.say(f"{member.id}: {run}; its /health answers 200: kept")
+        return
+    pool.engine_gone(member.entry, f"{run}; its /health does not answer")
 
 
 async def upstream_failed(pool: Pool, member: Member, why: str) -> bool:
@@ -71,6 +85,20 @@ async def upstream_failed(pool: Pool, member: Member, why: str) -> bool:
         return False
     pool.engine_gone(member.entry, why)
     return True
+
+
+def first_token(times: Iterable[float]) -> dict[str, Any]:
+    """p50 and p99 of a model's recent first-token times (arrival at the router to the engine's
+    first answer byte; the last FIRST_TOKENS answers), None before its first answer."""
+    ordered = sorted(times)
+    if not ordered:
+        return {"first_token_p50_s": None, "first_token_p99_s": None, "first_tokens": 0}
+
+    def at(q: float) -> float:
+        return round(ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)], 3)
+
+    return {"first_token_p50_s": at(0.5), "first_token_p99_s": at(0.99),
+            "first_tokens": len(ordered)}
 
 
 def snapshot(pool: Pool) -> dict[str, Any]:
@@ -96,6 +124,7 @@ def snapshot(pool: Pool) -> dict[str, Any]:
             "sleep_frees": need.frees if member.mode == "sleep" else None,
             "weights_gib": round(need.host / GIB, 2),
             "idle_s": round(now - member.last_used, 1) if member.started else None,
+            **first_token(pool.first_tokens[member.id]),
         }
     return {
         "status": "ok",

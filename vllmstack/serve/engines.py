@@ -11,15 +11,20 @@ block it), `status` lists every one, and `down` of the default engine stops them
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 from typing import Any
+
+import requests
 
 from vllmstack.config.profiles import resolve
 from vllmstack.core.checkout import engine_names
 from vllmstack.core.errors import StackError
+from vllmstack.core.files import JsonFileError, read_json_file
 from vllmstack.core.paths import Project
 from vllmstack.observe.health import health_status, is_sleeping
-from vllmstack.serve.stack import Stack, open_stack
+from vllmstack.serve.running import ROUTER_FILE, router_alive
+from vllmstack.serve.stack import LifecycleError, Stack, open_stack
 from vllmstack.serve.state import StateError, read_state
 
 
@@ -92,3 +97,47 @@ def named_stack(stack: Stack, slot: str) -> Stack:
                                overrides=sets, environ=stack.environ)
     return open_stack(stack.project, resolved, stack.environ, stack.runner, probe=stack.probe,
                       out=stack.out, slot=slot)
+
+
+# The router's key for its token (router.options.TOKEN_VAR; the router is a layer above this one).
+ROUTER_TOKEN_VAR = "ROUTER_TOKEN"
+# A router's /v1/unload waits for every engine's `down` (120 s each, at most).
+UNLOAD_TIMEOUT_S = 300.0
+
+
+def unload_through_router(stack: Stack) -> bool:
+    """`invoke down` while a router serves the checkout: its engines are the router's, which
+    would load them again (and a `down` under it failed, "report how it escaped"), so they are
+    stopped through it, POST /v1/unload with the router's token (ROUTER_TOKEN, environment or
+    .env). False when no router runs (or this process is the router); LifecycleError naming the
+    router when it does not unload them."""
+    try:
+        record = read_json_file(stack.project.generated / ROUTER_FILE)
+    except JsonFileError:
+        return False
+    if not isinstance(record, dict) or not router_alive(record) or record.get("pid") == os.getpid():
+        return False
+    url, pid = str(record.get("url") or ""), record.get("pid")
+    token = stack.environ.get(ROUTER_TOKEN_VAR) or stack.resolved.get_raw(ROUTER_TOKEN_VAR)
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    stop_it = (f"stop the router (Ctrl-C in its terminal, or kill {pid}): it stops every engine "
+               "it runs; then `invoke down` again for anything else")
+    try:
+        answer = requests.post(url + "/v1/unload", json={}, headers=headers,
+                               timeout=UNLOAD_TIMEOUT_S)
+    except requests.RequestException as exc:
+        raise LifecycleError(f"the router (pid {pid}, {url}) serves this checkout and runs its "
+                             f"engines, but did not answer POST /v1/unload: {exc}",
+                             stop_it) from None
+    if answer.status_code != 200:
+        why = (f"it refused the request ({answer.status_code}: {ROUTER_TOKEN_VAR} is not the "
+               "router's token here, or it started with --token-file)"
+               if answer.status_code in (401, 403) else f"it answered {answer.status_code}: "
+               f"{answer.text[:200]}")
+        raise LifecycleError(f"the router (pid {pid}, {url}) serves this checkout and runs its "
+                             f"engines; `down` stops them through it, but {why}; nothing was "
+                             "stopped", stop_it)
+    print(f"the router (pid {pid}, {url}) serves this checkout: its engines were stopped "
+          "through it (POST /v1/unload); it loads a model again on its next request, so stop "
+          f"the router itself (kill {pid}) to end it", file=stack.out)
+    return True

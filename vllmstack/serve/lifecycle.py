@@ -36,6 +36,7 @@ from vllmstack.serve.engines import (
     named_report,
     named_stack,
     recorded_engines,
+    unload_through_router,
 )
 from vllmstack.serve.guards import (
     Guard,
@@ -322,6 +323,8 @@ def _down(stack: Stack, *, timeout: float, dry_run: bool) -> bool:
     note = foreign_state(stack.project) if not stack.slot else None
     if note:
         print(f"note: {note}", file=stack.out)
+    if not stack.slot and not dry_run:
+        unload_through_router(stack)  # a router's engines go through it (or `down` refuses)
     stopped = [(stack, _stop_one(stack, stack.url, dry_run))]
     if not stack.slot:
         for other in recorded_engines(stack.project):

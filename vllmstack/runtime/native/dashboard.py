@@ -145,6 +145,10 @@ class NativeDashboard:
         token = resolved.get_str("DASHBOARD_TOKEN")
         if token:
             env["DASHBOARD_TOKEN"] = token
+        # The router card reads the router's /v1/health, which wants the router's token too.
+        router_token = resolved.get_str("ROUTER_TOKEN")
+        if router_token:
+            env["ROUTER_TOKEN"] = router_token
         spec = {"argv": argv, "env": env, "cwd": str(PACKAGE_PARENT),
                 "root": str(self.project.root.resolve()), "log": str(self.log_path),
                 "record": str(self.record_path), "exit": str(self.exit_path), "marker": marker,
