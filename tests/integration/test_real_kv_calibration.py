@@ -16,7 +16,6 @@ marked slow and real_engine, as test_real_cpu_engine.py.
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -26,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import cpu_missing, need_cpu
+from conftest import cpu_missing, machine_environ, need_cpu
 from helpers import ROOT, copy_project, free_port, write_dotenv
 from test_real_cpu_engine import ENGINE_VERSION, provision_engine
 
@@ -45,7 +44,10 @@ class Box:
     def invoke(self, *args: str, timeout: float = 1800) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "invoke", *args], cwd=self.root, text=True,
                               capture_output=True, timeout=timeout, check=False,
-                              env={**os.environ, "HOME": str(self.home)})
+                              # The machine's store, set here: a module fixture runs before
+                              # the tier's own (function) setting, so `make-model --trained`
+                              # stored its 12 minutes under the test's HOME, for nobody.
+                              env={**machine_environ(), "HOME": str(self.home)})
 
     def must(self, *args: str, timeout: float = 1800) -> str:
         done = self.invoke(*args, timeout=timeout)
