@@ -34,8 +34,8 @@ from openai.types.chat import (
     ChatCompletionToolParam,
 )
 from openai.types.chat.chat_completion_chunk import ChoiceDeltaToolCall
+from test_router import engine_processes
 
-from vllmstack.core.checkout import checkout_id
 from vllmstack.observe.health import health_status
 
 pytestmark = pytest.mark.slow  # the integration tier: a router process and engine boots (~30 s)
@@ -60,24 +60,6 @@ WEATHER: ChatCompletionToolParam = {
 }
 WEATHER_ARGUMENTS = {"city": "sim", "unit": "celsius"}  # what the simulator fills the schema with
 ENGINE_START = "non-default args:"  # vLLM's API server logs it once, as it starts
-
-
-def engine_processes(root: Path) -> list[int]:
-    """Live processes carrying this checkout's engine marker (as tests/integration/test_router.py)."""
-    prefixes = tuple(f"VLLMSTACK_ENGINE_ID={checkout_id(root)}{sep}".encode() for sep in "-@")
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            marked = any(e.startswith(prefixes)
-                         for e in (entry / "environ").read_bytes().split(b"\0"))
-            state = (entry / "stat").read_text().rpartition(")")[2].split()[0]
-        except OSError:
-            continue
-        if marked and state not in ("Z", "X"):
-            found.append(int(entry.name))
-    return found
 
 
 class Router:
