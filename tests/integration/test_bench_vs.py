@@ -228,9 +228,9 @@ def test_vllm_simulator_against_the_real_llama_server_on_identical_weights(
     for shape in ("single", "ctx"):
         assert llama["timings"][shape]["predicted_per_second"] > 0
         assert llama["timings"][shape]["prompt_per_second"] > 0
-        # Its row whole when it fails: one CI run (2026-12-03) found tg_tps None here, which the
-        # bench reports when every stream came in one burst (it warns), and once only.
-        assert llama[shape]["tg_tps"] is not None, llama[shape]
+        # llama.cpp's chunks come a few at a time at ~3,000 t/s: that is a decode rate, not a
+        # held stream (two CI runs on 2026-12-03 lost it to a median-gap burst test).
+        assert llama[shape]["tg_tps"] is not None, (llama["timings"], llama[shape])
         assert llama[shape]["tg_tps"]["mean"] > 0 and llama[shape]["errors"] == 0
     assert llama["conc"]["errors"] == 0 and llama["conc"]["total_tg_tps"] > 0
     # The same prompt sizes, counted by each engine's own tokenizer (the same vocabulary here).
