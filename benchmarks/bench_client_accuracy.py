@@ -40,9 +40,9 @@ from vllmstack.bench.runs.runs import (  # noqa: E402
     run_conc_level,
 )
 from vllmstack.bench.target import target_from_url  # noqa: E402
-from vllmstack.bench.workload.prompts import PromptBuilder, load_tokenizer  # noqa: E402
-from vllmstack.bench.workload.selftest_tokenizer import train_corpus_tokenizer  # noqa: E402
 from vllmstack.observe.metrics import parse_metrics  # noqa: E402
+from vllmstack.workload.prompts import PromptBuilder, load_tokenizer  # noqa: E402
+from vllmstack.workload.selftest_tokenizer import train_corpus_tokenizer  # noqa: E402
 
 TTFT_MS, PREFILL_TPS, ITL_MS = 100.0, 20000.0, 20.0
 PACING = {"ttft_ms": TTFT_MS, "prefill_tps": PREFILL_TPS, "itl_ms": ITL_MS}

@@ -159,7 +159,7 @@ def project(tmp_path: Path) -> Project:
 @pytest.fixture(scope="session")
 def tokenizer_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The bench corpus tokenizer, trained once per run (read-only for every test)."""
-    from vllmstack.bench.workload.selftest_tokenizer import train_corpus_tokenizer
+    from vllmstack.workload.selftest_tokenizer import train_corpus_tokenizer
 
     return train_corpus_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.json")
 

@@ -17,9 +17,10 @@ from typing import Any
 
 from helpers import copy_project
 
-from vllmstack.config.llamacpp_args import build_llamacpp_argv, is_llamacpp
+from vllmstack.config.engines.kind import Placement
+from vllmstack.config.engines.table import engine_kind
 from vllmstack.config.profiles import list_profiles, resolve
-from vllmstack.config.vllm_args import ArgvError, build_serve_argv
+from vllmstack.config.vllm_args import ArgvError
 from vllmstack.core.paths import Project
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "serve_argv_golden.json"
@@ -58,12 +59,11 @@ LLAMACPP_VARIANT_MODELS = ("qwen3.6-27b-gguf",)
 
 def _argv(project: Project, platform: str, model: str, sets: list[str]) -> dict[str, Any]:
     resolved = resolve(project, platform=platform, model=model, overrides=sets, environ=ENVIRON)
-    if is_llamacpp(resolved):
+    if engine_kind(resolved).model_file:
         resolved = resolve(project, platform=platform, model=model,
                            overrides=[*LLAMACPP_SETS, *sets], environ=ENVIRON)
     try:
-        command = (build_llamacpp_argv(resolved, host="0.0.0.0") if is_llamacpp(resolved)
-                   else build_serve_argv(resolved))
+        command = engine_kind(resolved).build(resolved, Placement())  # a container's argv
     except ArgvError as exc:
         return {"error": str(exc)}
     return {"argv": command.argv, "notes": [f"{n.severity} {n.code}" for n in command.notes]}

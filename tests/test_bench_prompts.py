@@ -5,7 +5,7 @@ from typing import Any
 
 import pytest
 
-from vllmstack.bench.workload.prompts import (
+from vllmstack.workload.prompts import (
     PromptBuilder,
     TokenizerError,
     load_corpus,

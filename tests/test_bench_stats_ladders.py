@@ -5,7 +5,7 @@ import math
 import pytest
 
 from vllmstack.bench.client.stats import percentile, relative_error, summarize
-from vllmstack.bench.workload.ladders import LadderError, conc_ladder, depth_cap, depth_ladder
+from vllmstack.workload.ladders import LadderError, conc_ladder, depth_cap, depth_ladder
 
 
 def test_percentiles_use_the_linear_method_other_tools_use() -> None:

@@ -16,7 +16,7 @@ from simulator.fixture import run_simulator
 
 from vllmstack.bench import options
 from vllmstack.bench.cli import build_parser
-from vllmstack.bench.workload.selftest_tokenizer import train_corpus_tokenizer
+from vllmstack.workload.selftest_tokenizer import train_corpus_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -29,9 +29,9 @@ from vllmstack.bench.fleet.vs_report import (
     spec_draft,
     table_row,
 )
-from vllmstack.bench.workload.prompts import PromptBuilder, load_tokenizer
 from vllmstack.config.profiles import resolve
 from vllmstack.core.paths import Project
+from vllmstack.workload.prompts import PromptBuilder, load_tokenizer
 
 
 def write_gguf(path: Path, file_type: gguf.LlamaFileType, source: str | None = None) -> Path:
@@ -228,7 +228,7 @@ def test_prompts_are_cut_to_length_with_the_servers_tokenizer(
 
 
 def test_a_dead_server_tokenizer_is_a_clear_error() -> None:
-    from vllmstack.bench.workload.prompts import TokenizerError
+    from vllmstack.workload.prompts import TokenizerError
 
     with pytest.raises(TokenizerError, match="/tokenize"):
         ServerTokenizer("http://127.0.0.1:9", timeout_s=1).encode("hi")

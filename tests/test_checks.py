@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from vllmstack.checks.registry import run_checks
-from vllmstack.config.engine import engine_of
+from vllmstack.config.engines.table import engine_of
 from vllmstack.config.profiles import list_profiles, resolve
 from vllmstack.core.findings import Finding
 from vllmstack.core.paths import Project

@@ -162,10 +162,10 @@ def test_benchmark_and_dashboard_errors_are_stack_errors() -> None:
     from vllmstack.bench.report.history import HistoryError
     from vllmstack.bench.runs.runs import RunError
     from vllmstack.bench.target import TargetError
-    from vllmstack.bench.workload.ladders import LadderError
-    from vllmstack.bench.workload.prompts import TokenizerError
     from vllmstack.dashboard.app import DashboardError
     from vllmstack.dashboard.runs import RunError as DashboardRunError
+    from vllmstack.workload.ladders import LadderError
+    from vllmstack.workload.prompts import TokenizerError
 
     for error, also in ((RunError, RuntimeError), (EndpointError, RuntimeError),
                         (TargetError, ValueError), (TokenizerError, ValueError),

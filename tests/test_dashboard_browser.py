@@ -56,7 +56,7 @@ def stack(tmp_path: Path) -> Iterator[str]:
     import uvicorn
     from simulator.fixture import run_simulator
 
-    from vllmstack.bench.workload.selftest_tokenizer import train_corpus_tokenizer
+    from vllmstack.workload.selftest_tokenizer import train_corpus_tokenizer
 
     tokenizer = train_corpus_tokenizer(tmp_path / "tok" / "tokenizer.json")
     sim_env = {"SIM_TOKENIZER": str(tokenizer), "SIM_ITL_MS": "5", "SIM_BOOT_SECONDS": "0.2"}

@@ -19,7 +19,7 @@ import yaml
 from helpers import ROOT, copy_project
 
 from vllmstack.config import view
-from vllmstack.config.engine import LLAMACPP, engine_of
+from vllmstack.config.engines.table import engine_kind
 from vllmstack.config.profiles import list_profiles, resolve
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import RecordingRunner
@@ -62,7 +62,7 @@ def expected_gpus(project: Project, platform: str, model: str) -> int:
     resolved = resolve(project, platform=platform, model=model, overrides=[MODELS], environ=ENV)
     if resolved.get_str("GPU_VENDOR") == "none":
         return 0
-    if engine_of(resolved) == LLAMACPP:
+    if engine_kind(resolved).model_file:
         return resolved.get_int("GPU_COUNT")
     return resolved.get_int("VLLM_TP")  # no shipped profile sets a pipeline-parallel size
 
@@ -90,7 +90,7 @@ def unit_exec(text: str) -> list[str]:
 @pytest.mark.parametrize(("platform", "model"), PAIRS)
 def test_every_profile_exports_to_production_stack(project: Project, platform: str, model: str) -> None:
     p = plan(project, service.PRODUCTION_STACK, [model], platform)
-    if engine_of(p.specs[0].resolved) == LLAMACPP:
+    if engine_kind(p.specs[0].resolved).model_file:
         # The chart runs `vllm serve` only: refused, with the way out.
         assert [f.code for f in p.findings if f.severity == "error"] == ["export-chart-vllm-only"]
         return

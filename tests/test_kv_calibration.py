@@ -241,7 +241,7 @@ def test_check_refuses_zero_scales_and_a_stale_copy_and_warns_without_scales(pro
 
 def test_the_held_out_tenth_is_neither_trained_nor_calibrated_on(project: Project, model: Path,
                                                                  tmp_path: Path) -> None:
-    from vllmstack.core.corpus import split_corpus
+    from vllmstack.workload.corpus import split_corpus
 
     text = kv.DEFAULT_CORPUS.read_text()
     train, held = split_corpus(text)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from vllmstack.config.engine import engine_image
+from vllmstack.config.engines.table import engine_kind
 from vllmstack.config.llamacpp_args import (
     ALWAYS_FLAGS,
     LlamacppFlags,
@@ -24,6 +24,10 @@ from vllmstack.core.paths import Project
 
 DATA = Path(__file__).parent / "data" / "llamacpp"
 ENVIRON = {"HOME": "/home/op"}
+
+
+def image_of(resolved: Resolved) -> str:
+    return engine_kind(resolved).image(resolved)
 
 
 def profile(project: Project, *sets: str, model: str = "qwen3.6-27b-gguf",
@@ -155,9 +159,9 @@ def test_every_flag_the_stack_writes_is_in_the_pinned_servers_help() -> None:
 
 
 def test_the_image_is_named_after_the_ref_and_the_platforms_backend(project: Project) -> None:
-    assert engine_image(profile(project)) == "localhost/llamacpp:9993-cuda"
-    assert engine_image(profile(project, model="tiny-gguf", platform="cpu")) == "localhost/llamacpp:9993-cpu"
-    assert engine_image(profile(project, platform="r9700")) == "localhost/llamacpp:9993-rocm"
-    assert engine_image(profile(project, "LLAMACPP_BACKEND=vulkan", platform="r9700")) == \
+    assert image_of(profile(project)) == "localhost/llamacpp:9993-cuda"
+    assert image_of(profile(project, model="tiny-gguf", platform="cpu")) == "localhost/llamacpp:9993-cpu"
+    assert image_of(profile(project, platform="r9700")) == "localhost/llamacpp:9993-rocm"
+    assert image_of(profile(project, "LLAMACPP_BACKEND=vulkan", platform="r9700")) == \
         "localhost/llamacpp:9993-vulkan"
-    assert engine_image(profile(project, "LLAMACPP_IMAGE=reg/llama:x")) == "reg/llama:x"
+    assert image_of(profile(project, "LLAMACPP_IMAGE=reg/llama:x")) == "reg/llama:x"

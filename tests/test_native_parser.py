@@ -8,7 +8,7 @@ import os
 import pytest
 from conftest import need
 
-from vllmstack.config.engine import engine_of
+from vllmstack.config.engines.table import engine_of
 from vllmstack.config.profiles import list_profiles, resolve
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import SubprocessRunner

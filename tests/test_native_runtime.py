@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from vllmstack.config.engine import engine_of
+from vllmstack.config.engines.table import engine_of
 from vllmstack.config.profiles import list_profiles, resolve
 from vllmstack.config.schema import load_schema
 from vllmstack.config.vllm_args import build_serve_argv

@@ -10,8 +10,9 @@ import json
 import pytest
 from router_harness import STREAM, exchange, get, post, running_router, status
 
+from vllmstack.config.engines.llamacpp import ROUTES as LLAMACPP_PATHS
+from vllmstack.config.engines.vllm import ROUTES as VLLM_PATHS
 from vllmstack.router.limits import Limits
-from vllmstack.router.server import LLAMACPP_PATHS, VLLM_PATHS
 
 LIMITS = Limits(max_connections=64, keepalive_timeout=10.0)
 BOUNDARY = "----vllmstack-form-7d3f"

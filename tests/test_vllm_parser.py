@@ -22,7 +22,7 @@ import pytest
 
 from vllmstack.checks import deep as vp
 from vllmstack.checks import parser_pins
-from vllmstack.config.engine import engine_of
+from vllmstack.config.engines.table import engine_of
 from vllmstack.config.profiles import Resolved, list_profiles, resolve
 from vllmstack.config.vllm_args import build_serve_argv
 from vllmstack.core.findings import Finding

@@ -72,7 +72,7 @@ timeout $(tmo 150) $INV calibrate-kv --model tiny --platform nvidia --tokens 163
 echo "rc=$?" | tee -a "$O/steps.log"; grep -v "WARNING\|^INFO\|^\[" "$O/calibrate-8b.txt" | head -4
 C8=$M/calibrated/qwen3-8b-random-kv-fp8
 step "vLLM serves the calibrated 8B with fp8 KV and reports its scales"
-python3 -c "from vllmstack.core.corpus import split_corpus as s; from vllmstack.tune.kv_copy import DEFAULT_CORPUS as c; open('/tmp/heldout.txt','w').write(s(c.read_text())[1])"
+python3 -c "from vllmstack.workload.corpus import split_corpus as s; from vllmstack.tune.kv_copy import DEFAULT_CORPUS as c; open('/tmp/heldout.txt','w').write(s(c.read_text())[1])"
 timeout $(tmo 200) python3 -m vllmstack.models.kv_quality_runner "$C8" /tmp/heldout.txt "$O/fp8-8b.json" \
   --kv-cache-dtype fp8 --ppl-tokens 256 --context 512 --trials 1 --attention-backend TRITON_ATTN \
   > "$O/fp8-8b.txt" 2>&1

@@ -43,7 +43,7 @@ from vllm.benchmarks.lib.endpoint_request_func import (  # type: ignore[import-n
 )
 
 from vllmstack.bench.client.client import ChatClient, chat_body
-from vllmstack.bench.workload.prompts import PromptBuilder
+from vllmstack.workload.prompts import PromptBuilder
 
 WARMUP = 2
 # What `invoke bench` asks beyond vLLM's client, given to it too, so both requests cost the server

@@ -163,6 +163,15 @@ def test_healthy_boot_status_exec_idempotent_up_and_down(stack: Stack) -> None:
     # The rendered files are there to read and reproduce the run by hand.
     assert (stack.root / "generated/compose.override.yaml").is_file()
     assert (stack.root / "generated/vllm-argv.txt").read_text().startswith("vllm serve")
+    # What `up` recorded (and `status` shows) is what the container runs, word for word: the
+    # override sets the kind's entrypoint, whatever the image declares (the simulator's own is
+    # `python3 /sim/server.py`; its `vllm` on PATH is the shim a vLLM image would have).
+    recorded = json.loads((stack.root / "generated/state.json").read_text())["argv"]
+    out = stack.runtime.run(stack.runtime.engine, "inspect", "--format",
+                            "{{json .Path}}\n{{json .Args}}", *stack.containers())
+    path, args = (json.loads(line) for line in out.stdout.splitlines()[:2])
+    assert [path, *args] == recorded, (path, args, recorded)
+    assert recorded[:3] == ["vllm", "serve", "Qwen/Qwen3-0.6B"]
     ran = stack.invoke("exec", "--", "python3", "-c", "print(6 * 7)")
     assert ran.returncode == 0 and ran.stdout.strip() == "42", ran.stdout + ran.stderr
     logs = stack.invoke("logs", "--no-follow", "--tail", "50")

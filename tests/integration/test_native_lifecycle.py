@@ -35,7 +35,7 @@ with open(os.path.join(os.path.dirname(__file__), "child"), "w") as f:
 os.execv(sys.executable, [sys.executable, SIMULATOR, *sys.argv[1:]])
 """
 STATUS_KEYS = {"runtime", "running", "healthy", "model", "max_model_len", "url", "profile",
-               "platform", "state", "restarts", "containers", "kv_cache_usage",
+               "platform", "argv", "state", "restarts", "containers", "kv_cache_usage",
                "requests_running", "requests_waiting", "selected", "engines"}
 
 
@@ -131,6 +131,17 @@ def test_healthy_boot_status_logs_and_down_leave_no_process(stack: Stack) -> Non
     assert isinstance(members, list)
     assert sorted(m["pid"] for m in members) == sorted([leader, child])
     assert {m["service"] for m in members} == {"vllm"}
+    # What `up` recorded and `status` shows is the process's own command line, word for word:
+    # the argv `check` built for the native placement is handed to the keeper, not rebuilt.
+    # The wrapper's forked child keeps the command line the keeper started; the leader then
+    # exec'd the simulator with the same arguments.
+    recorded = json.loads((stack.root / "generated" / "state.json").read_text())["argv"]
+    started, leader_now = (
+        [word.decode() for word in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:-1]]
+        for pid in (child, leader))
+    assert started == recorded and leader_now[2:] == recorded[2:]
+    assert recorded[:3] == [sys.executable, str(stack.root / "engine-wrapper.py"), "serve"]
+    assert status["argv"] == recorded
     # Same command again: nothing to do, nothing restarted.
     again = stack.up("--set", "ENGINE_ENV=SIM_BOOT_SECONDS=1")
     assert again.returncode == 0 and "nothing to do" in again.stdout

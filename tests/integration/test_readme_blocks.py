@@ -1,4 +1,5 @@
-"""The README's runnable blocks, exactly as written, on a fresh clone with the real CPU engines.
+"""The README's runnable blocks, and docs/'s, exactly as written, on a fresh clone with the real
+CPU engines.
 
 A newcomer without a GPU reads README.md top to bottom and types what its blocks say. This test
 does the same in one shell session (a venv activated by the first block stays active), line by
@@ -9,7 +10,10 @@ line, on `git clone` of this checkout's HEAD:
 * "### CPU quick start": install the CPU engine, make the model, `up`, `status`, `bench`, the
   probes and the smoke test it names, `down`;
 * "### CPU walk-through": llama.cpp, `gguf-convert`, `gpu-check`, `bench-vs`, and the router
-  started in the background, asked, and stopped.
+  started in the background, asked, and stopped;
+* then every ```bash block of every docs/ page, in page-name order: what a page shows that runs
+  without a GPU (read-only tasks, `--dry-run` and `--plan` forms; tests/test_docs.py holds them to
+  that, and checks the ```sh blocks, which need a GPU or a long build, against the tasks).
 
 Every line must exit 0. After the blocks no process of the clone is left and `git status
 --porcelain` is empty. The README changes to what works, never this test to what the README says.
@@ -36,6 +40,7 @@ from pathlib import Path
 
 import pytest
 from conftest import need
+from docs_blocks import RUNNABLE, command_lines, doc_pages, fences
 from helpers import ROOT
 
 from vllmstack.core.paths import Project
@@ -64,18 +69,14 @@ def bash_blocks(text: str, heading: str) -> list[list[str]]:
     section = rest[:end.start()] if end else rest
     blocks = []
     for body in re.findall(r"^```bash\n(.*?)^```", section, re.S | re.M):
-        lines: list[str] = []
-        pending = ""
-        for raw in body.splitlines():
-            line = pending + raw
-            if line.rstrip().endswith("\\"):
-                pending = line.rstrip()[:-1] + " "
-                continue
-            pending = ""
-            if line.strip() and not line.lstrip().startswith("#"):
-                lines.append(line)
-        blocks.append(lines)
+        blocks.append(command_lines(body.splitlines()))
     return blocks
+
+
+def docs_walk() -> list[Block]:
+    """The ```bash blocks of the docs/ pages, each as its command lines."""
+    return [Block(f"docs/{page.name}", command_lines(fence.body))
+            for page in doc_pages() for fence in fences(page) if fence.lang == RUNNABLE]
 
 
 def walk() -> list[Block]:
@@ -84,8 +85,10 @@ def walk() -> list[Block]:
     quick = bash_blocks(text, "### CPU quick start: a real vLLM engine without a GPU")
     tour = bash_blocks(text, "### CPU walk-through: llama.cpp, bench-vs and the router")
     assert setup and quick and tour, "a section this test walks is gone from README.md"
+    docs = docs_walk()
+    assert docs, "no docs/ page has a ```bash block any more"
     return [Block("set up", setup[0]), *(Block("CPU quick start", b) for b in quick),
-            *(Block("CPU walk-through", b) for b in tour)]
+            *(Block("CPU walk-through", b) for b in tour), *docs]
 
 
 def test_the_blocks_are_found_and_hold_what_the_walk_needs() -> None:

@@ -200,7 +200,7 @@ def test_a_tokenizer_that_is_not_a_tokenizer_file_is_refused_before_it_is_read(
     # bench --tokenizer, and every probe: the Rust reader would take /dev/zero whole.
     from helpers import finishes
 
-    from vllmstack.bench.workload.prompts import TokenizerError, load_tokenizer
+    from vllmstack.workload.prompts import TokenizerError, load_tokenizer
 
     if target == "fifo":
         path = tmp_path / "tokenizer.json"

@@ -39,12 +39,12 @@ from vllmstack.bench.runs.runs import (
     live_max_model_len,
 )
 from vllmstack.bench.target import Target, target_from_profile, target_from_url
-from vllmstack.bench.workload.ladders import DEFAULT_MARGIN
-from vllmstack.bench.workload.prompts import PromptBuilder, TokenizerError, load_tokenizer
-from vllmstack.bench.workload.prompts import resolve_tokenizer as find_tokenizer
 from vllmstack.core.errors import StackError
 from vllmstack.core.files import writable_file, writable_folder
 from vllmstack.core.paths import Project, results_folder
+from vllmstack.workload.ladders import DEFAULT_MARGIN
+from vllmstack.workload.prompts import PromptBuilder, TokenizerError, load_tokenizer
+from vllmstack.workload.prompts import resolve_tokenizer as find_tokenizer
 
 EXIT_USAGE = 2
 # Subcommand (or alias) -> run kind.

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from vllmstack.bench.report.history import KINDS
-from vllmstack.bench.workload.ladders import DEFAULT_MARGIN
+from vllmstack.workload.ladders import DEFAULT_MARGIN
 
 TARGET = "target (default: the running stack from the profile)"
 WHOLE = re.compile(r"[+-]?[0-9]+")

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from vllmstack.checks.gguf import GgufRead, read_setting
-from vllmstack.config.engine import engine_of
-from vllmstack.config.llamacpp_args import is_llamacpp
+from vllmstack.config.engines.kind import Placement
+from vllmstack.config.engines.table import engine_kind, engine_of
 from vllmstack.config.modelinfo import ModelFacts, load_model_facts
 from vllmstack.config.profiles import Resolved, Setting
 from vllmstack.config.schema import Schema, load_schema
@@ -39,6 +39,8 @@ class CheckContext:
     facts: ModelFacts
     environ: Mapping[str, str]
     command: ServeCommand | None = None
+    # Where the argv runs (the runtime's placement): the argv rules build `command` for it.
+    placement: Placement = field(default_factory=Placement)
     # The runtime `up` will use when it is known (--runtime); else the RUNTIME setting.
     runtime_name: str | None = None
     # The host's cards when a runner was given to look (None: not looked, or nothing answered),
@@ -139,7 +141,7 @@ def build_context(
                         runtime_name=runtime,
                         hardware=hardware, used_cards=used or (), detected=detected,
                         looked_for_gpus=looked,
-                        gguf=read_setting(resolved) if is_llamacpp(resolved) else None)
+                        gguf=read_setting(resolved) if engine_kind(resolved).model_file else None)
 
 
 def pinned(resolved: Resolved, key: str) -> bool:

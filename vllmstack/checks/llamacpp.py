@@ -20,14 +20,14 @@ from vllmstack.checks.context import CheckContext
 from vllmstack.checks.files import _check_mounted
 from vllmstack.checks.gguf import ARCHS_REF, GgufError, GgufInfo, GgufRead, known_archs, read_setting
 from vllmstack.checks.gguf_header import shown
-from vllmstack.config.engine import BACKEND_FOR_VENDOR, llamacpp_backend
+from vllmstack.config.engines import llamacpp
+from vllmstack.config.engines.llamacpp import BACKEND_FOR_VENDOR, llamacpp_backend
 from vllmstack.config.llamacpp_args import (
     DRAFT_KEY,
     GPU_LAYERS_KEY,
     MODEL_KEY,
     NAME_KEY,
     PARALLEL_KEY,
-    build_llamacpp_argv,
 )
 from vllmstack.config.modelinfo import GIB
 from vllmstack.config.vllm_args import ArgvError
@@ -63,7 +63,7 @@ def rule_llamacpp_argv(ctx: CheckContext) -> list[Finding]:
     if not ctx.get(MODEL_KEY).strip() or not ctx.get(NAME_KEY).strip():
         return []  # rule_llamacpp_required says so
     try:
-        ctx.command = build_llamacpp_argv(ctx.resolved, host="0.0.0.0")
+        ctx.command = llamacpp.build(ctx.resolved, ctx.placement)
     except ArgvError as exc:
         # The builder's messages start with the key ("LLAMACPP_PARALLEL is 0, ...").
         key = exc.cause.split(" ", 1)[0].split("=", 1)[0]

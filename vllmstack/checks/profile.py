@@ -7,7 +7,8 @@ no hardware, no model facts), e.g. "key X makes no sense together with key Y".
 from __future__ import annotations
 
 from vllmstack.checks.context import CheckContext
-from vllmstack.config.vllm_args import ArgvError, build_serve_argv
+from vllmstack.config.engines import vllm
+from vllmstack.config.vllm_args import ArgvError
 from vllmstack.core.findings import Finding
 
 
@@ -32,7 +33,7 @@ def rule_argv(ctx: CheckContext) -> list[Finding]:
     if not ctx.get("VLLM_MODEL"):
         return []
     try:
-        ctx.command = build_serve_argv(ctx.resolved)
+        ctx.command = vllm.build(ctx.resolved, ctx.placement)
     except ArgvError as exc:
         if ctx.bad_keys:
             return []  # the bad value is already reported, with its file and line

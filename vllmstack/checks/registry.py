@@ -51,13 +51,17 @@ from vllmstack.checks.router import rule_router_swap
 from vllmstack.checks.scheduler import rule_scheduler, rule_spec_decode
 from vllmstack.checks.template import rule_chat_template
 from vllmstack.checks.tuned_configs import rule_tuned_configs
-from vllmstack.config.engine import LLAMACPP, VLLM, display_name, engine_of
+from vllmstack.config.engines import llamacpp, vllm
+from vllmstack.config.engines.table import DEFAULT, engine_kind
+from vllmstack.config.engines.table import ENGINES as KINDS
 from vllmstack.config.profiles import Resolved
 from vllmstack.config.schema import Schema
+from vllmstack.core.errors import StackError
 from vllmstack.core.findings import Finding, sort_findings
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner, mask_text
 from vllmstack.image import build
+from vllmstack.runtime.select import engine_placement
 
 RULES: tuple[Rule, ...] = (
     rule_profile_problems,
@@ -92,9 +96,9 @@ RULES: tuple[Rule, ...] = (
     rule_overlays,
     rule_router_swap,
 )
-ENGINES = (VLLM, LLAMACPP)
-_VLLM = (VLLM,)
-_LLAMACPP = (LLAMACPP,)
+ENGINES = tuple(KINDS)
+_VLLM = (vllm.KIND.name,)
+_LLAMACPP = (llamacpp.KIND.name,)
 # The engines a rule is for; a rule not listed applies to every engine.
 RULE_ENGINES: Mapping[Rule, tuple[str, ...]] = MappingProxyType({
     rule_required: _VLLM,  # VLLM_MODEL; rule_llamacpp_required asks for LLAMACPP_MODEL instead
@@ -138,6 +142,11 @@ def run_checks(
     platform does not pin."""
     ctx = build_context(project, resolved, environ, schema=schema, runtime=runtime, runner=runner)
     findings: list[Finding] = []
+    try:
+        # The argv is built once, for where it runs: the one `up` records and the runtime starts.
+        ctx.placement = engine_placement(project, resolved, environ, ctx.runtime)
+    except StackError as exc:
+        findings.append(Finding("error", "argv", exc.cause, fix=exc.fix))
     for rule in rules:
         if applies(rule, ctx.engine):
             findings.extend(rule(ctx))
@@ -163,9 +172,9 @@ def render_report(resolved: Resolved, findings: list[Finding], *, verbose: bool 
         "gpu-not-detected", "gguf-header", "llamacpp-memory-projection")]
     errors = sum(f.severity == "error" for f in findings)
     warnings = sum(f.severity == "warning" for f in findings)
-    engine = engine_of(resolved)
+    kind = engine_kind(resolved)
     lines = [f"profile {resolved.profile} on {resolved.platform}"
-             + ("" if engine == VLLM else f" ({display_name(engine)})")]
+             + ("" if kind is DEFAULT else f" ({kind.display})")]
     lines += [f.render() for f in shown]
     verdict = "FAILED" if errors else "OK"
     lines.append(f"{verdict}: {errors} error(s), {warnings} warning(s)")
@@ -184,7 +193,7 @@ def check_profile(
     """`invoke check`: every rule, plus vLLM's own parser on the argv with `deep`; `runtime`
     (native, compose, ...) as `up --runtime` would use, for the rules that depend on it."""
     findings, ctx = run_checks(project, resolved, environ, runner=runner, runtime=runtime)
-    if ctx.engine != VLLM:
+    if not engine_kind(resolved).vllm_cli:
         # The vLLM parser and the vLLM image's labels say nothing about llama-server.
         if deep:
             findings.append(Finding("info", "deep-vllm-only",
@@ -192,7 +201,8 @@ def check_profile(
                                     "vLLM argv to parse"))
         return sort_findings(findings)
     if deep and ctx.command is not None:
-        parsed = vllm_parser.check_with_vllm_parser(project, runner, ctx.command.argv, resolved)
+        argv = ctx.placement.unplace(ctx.command.argv, vllm.ENTRYPOINT[0])
+        parsed = vllm_parser.check_with_vllm_parser(project, runner, argv, resolved)
         if not [f for f in parsed if f.severity != "info"]:
             parsed.append(Finding("info", "vllm-parser-ok",
                                   f"vLLM {resolved.get('VLLM_VERSION')}'s own parser accepts the argv"))

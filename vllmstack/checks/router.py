@@ -6,6 +6,7 @@ does not release falls back to restart)."""
 from __future__ import annotations
 
 from vllmstack.checks.context import CheckContext
+from vllmstack.config.engines.table import engine_kind
 from vllmstack.core.findings import Finding
 
 # Where vLLM's sleep mode works (its CuMemAllocator): CUDA, and ROCm.
@@ -33,10 +34,11 @@ def rule_router_swap(ctx: CheckContext) -> list[Finding]:
             "ROCm only, so the router's engines may refuse --enable-sleep-mode or never free "
             "memory (the router then falls back to restart for that profile)",
             fix="ROUTER_SWAP=auto (sleep where vLLM supports it, restart elsewhere)"))
-    if ctx.resolved.get_str("ENGINE") == "llamacpp":
+    kind = engine_kind(ctx.resolved)
+    if not kind.sleeps:
         out.append(ctx.finding(
             "info", "sleep-llamacpp", "ROUTER_SWAP",
-            "ROUTER_SWAP=sleep: llama.cpp has no sleep mode, so the router swaps this profile by "
+            f"ROUTER_SWAP=sleep: {kind.display} has no sleep mode, so the router swaps this profile by "
             "restart (a load takes about a second)"))
     if ctx.runtime not in ("native", "auto"):
         out.append(ctx.finding(

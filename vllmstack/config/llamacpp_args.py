@@ -22,12 +22,11 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllmstack.config.engine import LLAMACPP, engine_of
 from vllmstack.config.profiles import Resolved
 from vllmstack.config.schema import Schema, SchemaError, load_schema, validate_value
 from vllmstack.config.vllm_args import ArgvError, ServeCommand
 
-KIND = "llamacpp-flag"
+FLAG_KIND = "llamacpp-flag"  # the schema `becomes` of llama-server flags
 MODEL_KEY = "LLAMACPP_MODEL"
 DRAFT_KEY = "LLAMACPP_DRAFT_MODEL"
 GPU_LAYERS_KEY = "LLAMACPP_GPU_LAYERS"
@@ -78,7 +77,7 @@ def _read_flags(schema: Schema) -> LlamacppFlags:
     bools: list[tuple[str, str]] = []
     args: list[str] = []
     for key in schema.keys.values():
-        if key.becomes != KIND:
+        if key.becomes != FLAG_KIND:
             continue
         if key.type == "args":
             args.append(key.name)
@@ -93,10 +92,6 @@ def _read_flags(schema: Schema) -> LlamacppFlags:
     if MODEL_KEY not in dict(value):
         raise SchemaError(f"schema.yaml lacks {MODEL_KEY}, the llama-server --model key")
     return LlamacppFlags(tuple(value), tuple(bools), tuple(args))
-
-
-def is_llamacpp(resolved: Resolved) -> bool:
-    return engine_of(resolved) == LLAMACPP
 
 
 # Where `invoke gguf-convert` writes, and relative GGUF paths are read, when MODELS_DIR is not

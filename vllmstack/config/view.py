@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import shlex
 
-from vllmstack.config.engine import LLAMACPP, engine_of
-from vllmstack.config.llamacpp_args import build_llamacpp_argv
+from vllmstack.config.engines.kind import Placement
+from vllmstack.config.engines.table import engine_kind
 from vllmstack.config.profiles import ProfileInfo, Resolved
-from vllmstack.config.vllm_args import ArgvError, build_serve_argv
+from vllmstack.config.vllm_args import ArgvError
 from vllmstack.core.errors import StackError
 from vllmstack.core.runner import MASK, is_secret_name, mask_argv, mask_text
 
@@ -36,8 +36,7 @@ def render_config(
     if vllm_args:
         try:
             # The engine's own command: llama-server's for a llama.cpp profile (as `up` renders it).
-            command = (build_llamacpp_argv(resolved, host="0.0.0.0")
-                       if engine_of(resolved) == LLAMACPP else build_serve_argv(resolved))
+            command = engine_kind(resolved).build(resolved, Placement())
         except ArgvError as exc:
             raise ConfigError(str(exc), exc.fix) from exc
         # A token given through VLLM_EXTRA_ARGS (--api-key) is masked; generated/vllm-argv.txt

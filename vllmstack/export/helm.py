@@ -17,7 +17,7 @@ import math
 import re
 from typing import Any
 
-from vllmstack.config.engine import LLAMACPP
+from vllmstack.config.engines.table import kind_named
 from vllmstack.core.findings import Finding
 from vllmstack.export import chart
 from vllmstack.export.layout import ENGINE_CACHE
@@ -51,10 +51,11 @@ def build_values(specs: list[EngineSpec]) -> tuple[dict[str, Any], list[Finding]
     """The values document for every profile, and what did not translate."""
     findings: list[Finding] = []
     for spec in specs:
-        if spec.engine == LLAMACPP:
+        kind = kind_named(spec.engine)
+        if not kind.vllm_cli:
             findings.append(Finding(
                 "error", "export-chart-vllm-only",
-                f"{spec.profile} runs llama.cpp (ENGINE=llamacpp); the production-stack chart "
+                f"{spec.profile} runs {kind.display} (ENGINE={kind.name}); the production-stack chart "
                 "runs `vllm serve` only", key="ENGINE", source=spec.resolved.source("ENGINE"),
                 fix=f"export it with --to kube or --to quadlet (--model {spec.profile})"))
     if any(f.severity == "error" for f in findings):

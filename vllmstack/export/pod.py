@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from vllmstack.config.engines.table import kind_named
 from vllmstack.core.findings import Finding
 from vllmstack.export.spec import EngineSpec, MountedFile, SecretEnv
 
@@ -117,7 +118,7 @@ def pod_findings(spec: EngineSpec) -> list[Finding]:
     """What of the profile a cluster cannot take as it is, and what it needs first."""
     findings: list[Finding] = []
     if spec.image.startswith(LOCAL_REGISTRIES) or "/" not in spec.image:
-        key = "LLAMACPP_IMAGE" if spec.engine == "llamacpp" else "VLLM_IMAGE"
+        key = kind_named(spec.engine).image_key
         findings.append(Finding(
             "warning", "export-image-local",
             f"{spec.image} is a name on this host; a cluster's nodes cannot pull it",

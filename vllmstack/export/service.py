@@ -121,7 +121,7 @@ def _plan_chart(plan: Plan, chart: tuple[Path, Any] | None) -> None:
     profiles = ", ".join(s.profile for s in plan.specs)
     header = (f"# {MARKER} --to {PRODUCTION_STACK}` for {profiles} on {plan.specs[0].platform}.\n"
               f"# helm install vllm vllm/vllm-stack --version {validate.CHART_VERSION} -f values.yaml "
-              "(README: When one box is not enough)\n")
+              "(docs/export.md)\n")
     plan.files["values.yaml"] = header + _yaml(values)
 
 
@@ -148,7 +148,7 @@ def _plan_kube(plan: Plan) -> None:
                  f"{spec.profile}.yaml with kubernetes-validate --strict, Kubernetes "
                  f"{validate.KUBERNETES_VERSION}")
         header = (f"# {MARKER} --to {KUBE}` for {spec.profile} on {spec.platform}.\n"
-                  f"# kubectl apply -f {spec.profile}.yaml (README: When one box is not enough)\n")
+                  f"# kubectl apply -f {spec.profile}.yaml (docs/export.md)\n")
         plan.files[f"{spec.profile}.yaml"] = header + "---\n".join(_yaml(d) for d in documents)
 
 

@@ -19,11 +19,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllmstack.config.engine import LLAMACPP, engine_image, engine_of
-from vllmstack.config.llamacpp_args import build_llamacpp_argv
+from vllmstack.config.engines.kind import Placement
+from vllmstack.config.engines.table import engine_kind, kind_named
 from vllmstack.config.profiles import Resolved
 from vllmstack.config.schema import load_schema
-from vllmstack.config.vllm_args import CHAT_TEMPLATE_KEY, ArgvError, ServeCommand, build_serve_argv
+from vllmstack.config.vllm_args import CHAT_TEMPLATE_KEY, ArgvError, ServeCommand
 from vllmstack.core.errors import StackError
 from vllmstack.core.findings import Finding
 from vllmstack.core.paths import Project, home_dir
@@ -33,9 +33,6 @@ from vllmstack.image import build, patches
 from vllmstack.runtime.compose_files import PACKAGE_LABEL
 from vllmstack.runtime.engine_env import FP8_CONFIG_DIR, engine_environment, stack_paths
 
-# How many words of the argv an engine image's entrypoint already is (`vllm serve`, `llama-server`),
-# as the compose runtime assumes too.
-ENTRYPOINT_WORDS = {"vllm": 2, LLAMACPP: 1}
 PARALLEL_FLAGS = {"--tensor-parallel-size": "tp", "-tp": "tp", "--pipeline-parallel-size": "pp",
                   "-pp": "pp", "--data-parallel-size": "dp", "-dp": "dp"}
 SECRET_PREFIX = "VLLMSTACK_SECRET_"
@@ -98,12 +95,12 @@ class EngineSpec:
 
     @property
     def entrypoint(self) -> list[str]:
-        return self.argv[:ENTRYPOINT_WORDS[self.engine]]
+        return self.argv[:len(kind_named(self.engine).entrypoint)]
 
     @property
     def command_args(self) -> list[str]:
         """The argv after the image's entrypoint (what compose's `command` holds)."""
-        return self.argv[ENTRYPOINT_WORDS[self.engine]:]
+        return self.argv[len(kind_named(self.engine).entrypoint):]
 
     @property
     def models_dir(self) -> str:
@@ -131,9 +128,7 @@ PLACEHOLDER = re.compile(r"<secret:([A-Z_][A-Z0-9_]*)>")
 def engine_command(resolved: Resolved) -> ServeCommand:
     """The engine's argv exactly as `invoke config --vllm-args` prints it (and `up` runs it)."""
     try:
-        if engine_of(resolved) == LLAMACPP:
-            return build_llamacpp_argv(resolved, host="0.0.0.0")
-        return build_serve_argv(resolved)
+        return engine_kind(resolved).build(resolved, Placement())  # a container's
     except ArgvError as exc:
         raise ExportError(exc.cause, exc.fix) from exc
 
@@ -143,22 +138,22 @@ def engine_spec(project: Project, resolved: Resolved, environ: Mapping[str, str]
     """Gather the spec of one profile; `runner` only inspects the image's labels (read-only)."""
     layout = read_layout(project)
     command = engine_command(resolved)
-    engine = engine_of(resolved)
+    kind = engine_kind(resolved)
     argv, flag_secrets = _argv_secrets(command.argv)
-    image = engine_image(resolved)
+    image = kind.image(resolved)
     labels = build.read_image_labels(runner, resolved.get_str("DOCKER"), image)
     env, env_secrets = _environment(resolved, layout)
     spec = EngineSpec(
-        profile=resolved.profile, platform=resolved.platform, engine=engine, argv=argv,
+        profile=resolved.profile, platform=resolved.platform, engine=kind.name, argv=argv,
         image=image, image_labels={k: v for k, v in (labels or {}).items()
                                    if k.startswith(build.LABEL)},
         vendor=resolved.get_str("GPU_VENDOR"), gpus=0, node_gpus=resolved.get_int("GPU_COUNT"),
         port=resolved.get_int("VLLM_PORT"), served_name=resolved.get_str("VLLM_SERVED_NAME"),
-        model=command.argv[2] if engine != LLAMACPP else resolved.get_raw("LLAMACPP_MODEL"),
+        model=kind.model_label(resolved),
         env=env, secrets=[*env_secrets, *flag_secrets], files=[], folders=[], layout=layout,
         resolved=resolved, host_roots=_host_roots(resolved, environ))
     spec.findings += [f for f in resolved.problems if f.severity == "error"]
-    spec.gpus = spec.node_gpus if engine == LLAMACPP else _parallel_gpus(argv)
+    spec.gpus = _parallel_gpus(argv) if kind.gpus_from_argv else spec.node_gpus
     if spec.vendor == "none":
         spec.gpus = 0
     _collect_files(project, spec, labels)
@@ -220,8 +215,8 @@ def _collect_files(project: Project, spec: EngineSpec, labels: Mapping[str, str]
         spec.folders.append(FolderMount(templates, spec.layout.mounts[CHAT_TEMPLATES]))
     if moe.is_dir():
         spec.folders.append(FolderMount(moe, spec.layout.mounts[MOE_CONFIGS]))
-    if spec.engine == LLAMACPP:
-        return
+    if not engine_kind(resolved).vllm_cli:
+        return  # only `vllm serve` takes a chat template file (llama-server: --jinja, its own)
     template = resolved.get_str(CHAT_TEMPLATE_KEY).strip()
     if template:
         path = templates / template

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllmstack.config.engine import llamacpp_backend, llamacpp_image_name
+from vllmstack.config.engines.llamacpp import llamacpp_backend, llamacpp_image_name
 from vllmstack.config.profiles import Resolved
 from vllmstack.core.errors import StackError
 from vllmstack.core.paths import Project

@@ -384,7 +384,7 @@ def _verify_component(project: Project, resolved: Resolved, git: GitTool, tool: 
                         f"(in .env, or --repo/--ref {name}=...)")
         return report
     try:
-        if name == "llamacpp" and repo == "":  # the pinned sdist's llama.cpp tree, tagged <ref>
+        if name in ENGINE_SOURCES and repo == "":  # the pinned sdist's tree (llama.cpp), tagged <ref>
             repo = report.repo = str(llamacpp_source.source_repo(project, git.runner, ref,
                                                                  environ=git.environ))
         mirror = _mirror(project, git, name, repo)

@@ -15,7 +15,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from vllmstack.bench.workload.prompts import TokenizerError, load_tokenizer, resolve_tokenizer
 from vllmstack.checks.chat_render import LIMITS, TemplateError, read_template_text
 from vllmstack.checks.template import (
     TEMPLATE_DIR,
@@ -32,6 +31,7 @@ from vllmstack.config.modelinfo import profile_hf_cache
 from vllmstack.config.profiles import Resolved
 from vllmstack.core.files import parse_json
 from vllmstack.core.paths import Project
+from vllmstack.workload.prompts import TokenizerError, load_tokenizer, resolve_tokenizer
 
 
 def run_template_check(project: Project, environ: Mapping[str, str], *,

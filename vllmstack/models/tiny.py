@@ -2,7 +2,7 @@
 
 The folder is a complete Hugging Face model: config.json (Qwen3ForCausalLM at a small geometry),
 model.safetensors (random bf16 weights, written here without torch or numpy), tokenizer.json (the
-corpus BPE of `bench.workload.selftest_tokenizer` plus Qwen's special tokens),
+corpus BPE of `workload.selftest_tokenizer` plus Qwen's special tokens),
 tokenizer_config.json with the chat template, and generation_config.json. It goes into the Hugging
 Face cache as the repo `vllmstack/tiny-qwen3` (refs/main -> a snapshot named by the content's
 hash), so the `tiny` profile names it like any hub model: both runtimes already see that cache (the
@@ -25,12 +25,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllmstack.bench.workload.selftest_tokenizer import train_corpus_tokenizer
 from vllmstack.config.profiles import Resolved
 from vllmstack.core.errors import StackError
 from vllmstack.core.files import file_head, writable_folder
+from vllmstack.core.safetensors_file import Tensor, write_safetensors
 from vllmstack.models.chat_template import CHAT_TEMPLATE
 from vllmstack.runtime.engine_env import stack_paths
+from vllmstack.workload.selftest_tokenizer import train_corpus_tokenizer
 
 # Qwen's control tokens: <|endoftext|> comes from the corpus trainer (id 0); these are added.
 # The chat markers are special (skipped when decoding); the thinking and tool markers are not,
@@ -164,23 +165,6 @@ def random_tensor(rng: random.Random, name: str, count: int) -> bytes:
     return bf16_bytes(array("f", (rng.gauss(0.0, INIT_STD) for _ in range(count))))
 
 
-def write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...], bytes]]) -> int:
-    """The safetensors format: an 8-byte header length, a JSON header, then the raw data."""
-    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, shape, data in tensors:
-        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + len(data)]}
-        offset += len(data)
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
-    with path.open("wb") as f:
-        f.write(struct.pack("<Q", len(text)))
-        f.write(text)
-        for _, _, data in tensors:
-            f.write(data)
-    return 8 + len(text) + offset
-
-
 # The safetensors format caps its JSON header at 100 MB (safetensors' MAX_HEADER_SIZE).
 MAX_SAFETENSORS_HEADER = 100_000_000
 
@@ -279,7 +263,7 @@ def write_model_files(folder: Path, geometry: Geometry, *, seed: int = 0) -> tup
         parameters += count
         data = (lm_head_tensor(rng, vocab, geometry.hidden, quiet) if name == "lm_head.weight"
                 else random_tensor(rng, name, count))
-        tensors.append((name, shape, data))
+        tensors.append(Tensor(name, "BF16", shape, data))
     written = write_safetensors(folder / "model.safetensors", tensors)
     return vocab, parameters, written + sum((folder / n).stat().st_size for n in files)
 

@@ -17,13 +17,14 @@ on next-token loss. Two things are learned, because two things are measured late
 Training stops when both targets are met, or the steps or minutes run out; the weights kept are
 those of the best evaluation that met the perplexity target on validation and then on the held-out
 tenth (else the best perplexity seen), and go back into model.safetensors under the same names,
-in bf16. OUT gets the numbers. Only stdlib, torch, transformers, tokenizers, safetensors and
-vllmstack.core.corpus (plain Python) are imported.
+in bf16. OUT gets the numbers. Only stdlib, torch, transformers, tokenizers,
+vllmstack.workload.corpus and vllmstack.core.safetensors_file (plain Python) are imported.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import importlib
 import json
 import math
@@ -33,13 +34,26 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllmstack.core.corpus import split_corpus
+from vllmstack.core.safetensors_file import Tensor, write_safetensors
+from vllmstack.workload.corpus import split_corpus
 
 KEPT_CANDIDATES = 6  # runners-up under the perplexity target, for the held-out check (8 MB each)
 
 
 def _mod(name: str) -> Any:
     return importlib.import_module(name)
+
+
+def tensor_bytes(tensor: Any) -> bytes:
+    """A contiguous CPU tensor's bytes, little-endian as safetensors stores them: read from its
+    memory through ctypes, as safetensors.torch reads them, so neither numpy nor safetensors is
+    needed in the engine's environment."""
+    size = tensor.numel() * tensor.element_size()
+    raw = ctypes.string_at(tensor.data_ptr(), size) if size else b""
+    step = tensor.element_size()
+    if sys.byteorder != "little" and step > 1:
+        raw = b"".join(raw[i:i + step][::-1] for i in range(0, size, step))
+    return raw
 
 
 def heldout_ppl(torch: Any, model: Any, tokens: Any, seq_len: int) -> float:
@@ -292,8 +306,11 @@ def train(model_dir: Path, corpus: Path, *, max_steps: int, max_minutes: float, 
     copied = copy_accuracy(torch, model, held_list, pool, context=copy_context)
     state = {name: tensor.detach().to(torch.bfloat16).cpu().contiguous()
              for name, tensor in model.state_dict().items()}
-    _mod("safetensors.torch").save_file(state, str(model_dir / "model.safetensors"),
-                                        metadata={"format": "pt"})
+    # Sorted by name: the order safetensors.torch.save_file, which wrote this file before, gives
+    # tensors of one dtype, so the bytes are the ones it wrote.
+    write_safetensors(model_dir / "model.safetensors",
+                      [Tensor(name, "BF16", tuple(tensor.shape), tensor_bytes(tensor))
+                       for name, tensor in sorted(state.items())])
     return {"vocab": vocab, "random_ppl": vocab, "initial_ppl": round(before, 2), "final_ppl": round(ppl, 2),
             "validation_ppl": round(best[2], 2), "target_ppl": round(target, 2),
             "copy_accuracy": round(copied, 3), "copy_target": copy_target, "copy_context": copy_context,

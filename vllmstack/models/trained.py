@@ -122,8 +122,8 @@ def make_trained(project: Project, resolved: Resolved, runner: Runner, environ: 
 
 
 # What a training's result depends on, beside its arguments: the trainer and the model writer (a
-# change to either is another entry) and the corpus.
-TRAINER_SOURCES = ("train_runner.py", "trained.py", "tiny.py")
+# change to either is another entry; the safetensors writer is core's, hence ../core) and the corpus.
+TRAINER_SOURCES = ("train_runner.py", "trained.py", "tiny.py", "../core/safetensors_file.py")
 TRAINED_FILES = ("model.safetensors", tiny.MODEL_RECORD, "config.json")
 
 

@@ -18,12 +18,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from vllmstack.config.engines.kind import EngineKind
+from vllmstack.config.engines.table import engine_kind, kind_named
 from vllmstack.config.profiles import MODEL_DIR, Resolved, available, resolve
 from vllmstack.core.checkout import engine_name as checkout_engine_name
 from vllmstack.core.errors import StackError
 from vllmstack.core.paths import Project
 
-VLLM = "vllm"
 LOOPBACK = "127.0.0.1"
 
 
@@ -37,10 +38,14 @@ class Entry:
 
     id: str  # the served name: what requests put in "model"
     profile: str
-    engine: str  # "vllm" or "llamacpp" (ENGINE)
+    engine: str  # its engine kind's name (ENGINE)
     resolved: Resolved
     ttl: float  # idle seconds before it is unloaded; 0 = never
     slot: str = ""  # its engine's name in the checkout ("": the default engine, one at a time)
+
+    @property
+    def kind(self) -> EngineKind:
+        return kind_named(self.engine)
 
     @property
     def url(self) -> str:
@@ -75,8 +80,8 @@ class Catalog:
 
 
 def engine_name(resolved: Resolved) -> str:
-    """The profile's engine (ENGINE); empty (a schema without the key) means vLLM."""
-    return resolved.get_str("ENGINE") or VLLM
+    """The profile's engine kind's name (ENGINE; empty means vLLM)."""
+    return engine_kind(resolved).name
 
 
 def build_catalog(project: Project, environ: Mapping[str, str], *, platform: str | None = None,

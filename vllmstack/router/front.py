@@ -23,7 +23,7 @@ from http import HTTPStatus
 from typing import Any, cast
 
 from aiohttp import http_exceptions, web
-from aiohttp.web_protocol import RequestHandler
+from aiohttp.web import RequestHandler
 
 from vllmstack.router.limits import Limits, error_json
 
@@ -104,7 +104,7 @@ class Connection(RequestHandler):
                 503, f"this client holds its most connections to the router "
                      f"({self.limits.max_client_connections}, ROUTER_MAX_CLIENT_CONNECTIONS); "
                      "reuse one or try again"))
-            self._loop.call_later(REFUSAL_LINGER_S, self.force_close)
+            asyncio.get_running_loop().call_later(REFUSAL_LINGER_S, self.force_close)
             return
         self.peer = peer
         self.front.clients[peer] = self.front.clients.get(peer, 0) + 1
@@ -132,7 +132,8 @@ class Connection(RequestHandler):
         waiting = self._between_requests()
         if waiting and data:
             if self._head_timer is None:
-                self._head_timer = self._loop.call_later(self.limits.header_timeout, self._head_late)
+                self._head_timer = asyncio.get_running_loop().call_later(
+                    self.limits.header_timeout, self._head_late)
             self._head_bytes += len(data)
         super().data_received(data)
         if self._messages or self._request_in_progress:  # a complete head
@@ -201,12 +202,15 @@ class Front(web.Server):
 
     def __init__(self, handler: Callable[[web.BaseRequest], Awaitable[web.StreamResponse]],
                  limits: Limits, *, say: Callable[[str], None] = lambda line: None) -> None:
+        # Each Connection's keyword arguments, kept here (not read back from the Server's own
+        # private copy): tests/test_router_aiohttp_contract.py checks RequestHandler takes them.
+        self.options: dict[str, Any] = {
+            "keepalive_timeout": limits.keepalive_timeout, "max_line_size": limits.max_head,
+            "max_field_size": limits.max_head, "max_headers": MAX_HEADERS,
+            "auto_decompress": False,  # no gzip bombs
+            "access_log": None, "lingering_time": 2.0}
         # handler_cancellation: a client that leaves ends its handler (and so the engine request).
-        super().__init__(self._checked, handler_cancellation=True,
-                         keepalive_timeout=limits.keepalive_timeout,
-                         max_line_size=limits.max_head, max_field_size=limits.max_head,
-                         max_headers=MAX_HEADERS, auto_decompress=False,  # no gzip bombs
-                         access_log=None, lingering_time=2.0)
+        super().__init__(self._checked, handler_cancellation=True, **self.options)
         self.handler, self.limits, self.say = handler, limits, say
         self.open = 0  # Connections made and not yet lost
         self.clients: dict[str, int] = {}  # per peer address: its Connections not yet lost
@@ -228,4 +232,4 @@ class Front(web.Server):
         if self.open >= self.limits.max_connections:
             return Refusal(self.limits.max_connections)
         self.open += 1
-        return Connection(self, loop=self._loop, **self._kwargs)
+        return Connection(self, loop=asyncio.get_running_loop(), **self.options)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from vllmstack.core.errors import StackError
 from vllmstack.router.catalog import Entry
 from vllmstack.router.plan import SLEEP, View
-from vllmstack.router.states import ASLEEP, READY, ModelStatus, Swap
+from vllmstack.router.states import ASLEEP, READY, MemberState, ModelStatus, Swap, check_transition
 
 Cut = Callable[[str], None]  # end one request in flight now, saying why
 
@@ -50,7 +50,7 @@ class Member:
         return self.entry.id
 
     @property
-    def state(self) -> str:
+    def state(self) -> MemberState:
         return self.status.state
 
     @property
@@ -65,7 +65,10 @@ class Member:
     def sleeps(self) -> bool:
         return self.mode == SLEEP
 
-    def set(self, state: str, error: StackError | None = None) -> None:
+    def set(self, state: MemberState, error: StackError | None = None) -> None:
+        """The one place a state changes (through Pool.set_state, which says it changed);
+        IllegalTransitionError, nothing changed, for a change states.TRANSITIONS does not allow."""
+        check_transition(self.id, self.status.state, state)
         self.status.state, self.status.since = state, time.time()
         self.status.error = (None if error is None else
                              {"cause": error.cause, "fix": error.fix or ""})

@@ -49,7 +49,7 @@ def build_plan(project: Project, catalog: Catalog, environ: Mapping[str, str], *
         resolved = entry.resolved
         mode, why = swap_mode(setting, entry.engine, resolved.get_str("GPU_VENDOR"), several)
         weights = load_model_facts(resolved, environ).weight_gib or 0.0
-        if entry.engine == "vllm":
+        if entry.kind.vllm_cli:  # --gpu-memory-utilization: a share of the card
             util, gpus = resolved.get_float("VLLM_GPU_MEM_UTIL"), max(1, resolved.get_int("VLLM_TP"))
         else:
             # llama.cpp takes what its weights and context need, not a share of the card: its

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from vllmstack.config.engines.table import kind_named
 from vllmstack.core.files import JsonFileError, read_json_file, write_json
 from vllmstack.core.paths import Project
 
@@ -306,8 +307,9 @@ def choose_frees(needs: Mapping[str, Need], capacity: int | None, card: int | No
 def swap_mode(setting: str, engine: str, vendor: str, several: bool) -> tuple[str, str]:
     """How a profile swaps, and why: `auto` sleeps vLLM on CUDA and ROCm where several engines
     run (the native runtime); llama.cpp and one-engine runtimes restart."""
-    if engine != "vllm":
-        return RESTART, "llama.cpp has no sleep mode (a load takes about a second)"
+    kind = kind_named(engine)
+    if not kind.sleeps:
+        return RESTART, f"{kind.display} has no sleep mode (a load takes about a second)"
     if not several:
         return RESTART, "this runtime runs one engine per checkout (Compose): restart"
     if setting == RESTART:

@@ -16,7 +16,7 @@ from vllmstack.router.catalog import Catalog, Entry
 from vllmstack.router.limits import Limits
 from vllmstack.router.member import Member
 from vllmstack.router.plan import Arrangement, Plan, View, exclusive_plan
-from vllmstack.router.states import FAILED, Lifecycle, ModelStatus, Swap
+from vllmstack.router.states import FAILED, Lifecycle, MemberState, ModelStatus, Swap
 
 RECENT_SWAPS = 20
 FIRST_TOKENS = 1000  # first-token times kept per model for the snapshot's percentiles
@@ -159,7 +159,10 @@ class Pool:
     def _failed_since(self, waiter: Waiter) -> bool:
         return self.attempts.get(waiter.entry.id, 0) > waiter.seen
 
-    def set_state(self, member: Member, state: str, error: StackError | None = None) -> None:
+    def set_state(self, member: Member, state: MemberState, error: StackError | None = None
+                  ) -> None:
+        """Every state change: checked against states.TRANSITIONS (IllegalTransitionError, a bug,
+        for one it does not allow), then shown (on_change writes router.json)."""
         member.set(state, error)
         self.on_change()
 

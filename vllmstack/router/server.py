@@ -42,6 +42,7 @@ import aiohttp
 from aiohttp import http_exceptions, web
 from aiohttp.web_protocol import RequestPayloadError
 
+from vllmstack.config.engines.table import ENGINES
 from vllmstack.core import access
 from vllmstack.router.catalog import Catalog, Entry
 from vllmstack.router.engines import EngineManager, LoadFailedError, RouterBusyError
@@ -65,23 +66,9 @@ from vllmstack.router.upstream import (
     response_headers,
 )
 
-# The engines' POST routes that name their model, forwarded by it. vLLM's: the route list
-# vLLM 0.27.1 prints at boot (launcher.py "Route:" lines; ../shared/reference/vllm-captures/
-# boot.log), plus the routes it adds for a pooling model (vllm/entrypoints/pooling: embeddings,
-# pooling, classify, score, rerank) and a speech-to-text one (openai/speech_to_text: audio).
-# llama.cpp's: tools/server/server.cpp at LLAMACPP_REF (its ctx_http.post lines). Left out: the
-# dev and admin paths, the render/batch/control extras, and the routes naming no model.
-VLLM_PATHS = frozenset({
-    "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings",
-    "/v1/messages", "/v1/messages/count_tokens", "/tokenize", "/detokenize", "/pooling",
-    "/classify", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank",
-    "/v1/audio/transcriptions", "/v1/audio/translations"})
-LLAMACPP_PATHS = frozenset({
-    "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings",
-    "/v1/messages", "/v1/messages/count_tokens", "/tokenize", "/detokenize", "/rerank",
-    "/v1/rerank", "/v1/audio/transcriptions"})
-ENGINE_PATHS = {"vllm": VLLM_PATHS, "llamacpp": LLAMACPP_PATHS}
-GENERATION = VLLM_PATHS | LLAMACPP_PATHS
+# The engines' POST routes that name their model, forwarded by it: each kind's `routes`
+# (config/engines: vLLM's from its boot route list, llama-server's from its server.cpp).
+GENERATION = frozenset().union(*(kind.routes for kind in ENGINES.values()))
 # OpenAI's audio API sends a multipart form, its `model` a field of it.
 FORM_PATHS = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations"})
 LIFECYCLE = frozenset({"/v1/load", "/v1/unload"})
@@ -298,7 +285,7 @@ class RouterApp:
         entry = self.entry_for(data, strict=False)
         if isinstance(entry, web.Response):
             return entry
-        if path not in ENGINE_PATHS.get(entry.engine, GENERATION):
+        if path not in entry.kind.routes:
             return refuse(404, f"the engine of {entry.id} ({entry.engine}) does not serve "
                                f"{path}", param="model")
         if data["model"] != entry.id:  # named by its profile: the engine knows its served name

@@ -249,6 +249,8 @@ async def _serve(project: Project, catalog: Catalog, lifecycle: Lifecycle, *, ho
             "started": started, "auth_required": access.token_required(host, token), **snap}))
 
     upstream = Upstream(limits)
+    if isinstance(lifecycle, StackLifecycle):  # its /sleep and /wake_up go out on this client
+        lifecycle.attach(upstream, loop)
     manager = EngineManager(catalog, lifecycle, say=say, on_change=record,
                             drain_timeout=drain_timeout, limits=limits, probe=upstream.probe,
                             plan=plan, remember=lambda profile, figures: report(
@@ -305,7 +307,7 @@ async def _serve(project: Project, catalog: Catalog, lifecycle: Lifecycle, *, ho
         await stop.wait()
         say(f"stopping ({got[0] if got else 'stop'})")
     finally:
-        await _close(server, front, manager, upstream, idle)
+        await _close(server, front, manager, idle)
         try:
             await manager.shutdown(limits.stop_timeout)
         finally:
@@ -313,6 +315,9 @@ async def _serve(project: Project, catalog: Catalog, lifecycle: Lifecycle, *, ho
                 loop.remove_signal_handler(sig)
             with contextlib.suppress(OSError):
                 remove_record(project, me)
+            # Only now: a switch the stop lets finish may still put an engine to sleep or wake
+            # it through this client (StackLifecycle.attach), and probe it.
+            await upstream.close()
     left = await asyncio.to_thread(running_engines, project)
     if left:  # never "none left" while one answers (one outside --profiles, one it failed to end)
         say("stopped; still running: " + "; ".join(o.shown for o in left)
@@ -337,7 +342,7 @@ def outside_engines(project: Project, catalog: Catalog) -> list[OtherEngine]:
 
 
 async def _close(server: asyncio.AbstractServer, front: Front, manager: EngineManager,
-                 upstream: Upstream, idle: asyncio.Task[None] | None) -> None:
+                 idle: asyncio.Task[None] | None) -> None:
     """Stop accepting; answer the queued requests 503 and end the streams in flight with an
     error event; close every connection once its answer is written."""
     server.close()
@@ -356,4 +361,3 @@ async def _close(server: asyncio.AbstractServer, front: Front, manager: EngineMa
     await front.shutdown(CUT_WAIT_S)
     with contextlib.suppress(asyncio.TimeoutError):
         await asyncio.wait_for(server.wait_closed(), 5)
-    await upstream.close()

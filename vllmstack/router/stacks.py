@@ -6,6 +6,8 @@ model's own log, generated/router/<profile>.log, and line by line, named, to the
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import io
@@ -17,8 +19,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TextIO, cast
 
-import requests
-
 from vllmstack.config.profiles import Resolved, Setting
 from vllmstack.core.errors import StackError
 from vllmstack.core.files import remove_file
@@ -28,6 +28,7 @@ from vllmstack.observe.health import health_status, is_sleeping
 from vllmstack.router.catalog import Catalog, Entry
 from vllmstack.router.plan import ALL, KV
 from vllmstack.router.states import Adopted, Loaded, Slept
+from vllmstack.router.upstream import Upstream, UpstreamError
 from vllmstack.runtime.engine_env import engine_env_words
 from vllmstack.runtime.gpu import GpuMemory, GpuProbe, NoGpuProbe, probe_for, total_used
 from vllmstack.serve import lifecycle
@@ -44,6 +45,8 @@ SLEEP_FLAG = "--enable-sleep-mode"
 DEV_MODE = "VLLM_SERVER_DEV_MODE=1"  # what exposes /sleep and /wake_up (loopback only)
 # A first sleep pins host buffers for the weights: 41 s for a 27B on an H200.
 SLEEP_TIMEOUT_S = 600.0
+# How much longer than that the worker thread waits for the event loop to run the call.
+LOOP_WAIT_S = 10.0
 # How long a load cut short by the router's stop waits for that stop to say how it ended.
 ABORT_WAIT_S = 120.0
 # The engine plugin behind ROUTER_SLEEP_FREES=kv (a sys.path entry: the package and its
@@ -125,10 +128,19 @@ class StackLifecycle:
         # Loads the router cut short as it stops (abort): when it is done, and what the stop
         # printed; such a load is reported as the router's stop, never diagnosed as a crash.
         self.aborts: dict[str, tuple[threading.Event, list[str]]] = {}
+        # The router's pooled client and its event loop (attach): /sleep and /wake_up go out
+        # on it from the worker thread a Lifecycle call runs in.
+        self._client: tuple[Upstream, asyncio.AbstractEventLoop] | None = None
         first = entries[0].resolved if entries else None
         self.probe: GpuProbe = NoGpuProbe() if first is None else probe_for(
             first.get_str("GPU_VENDOR"), runner, unified_memory=first.get_bool("UNIFIED_MEMORY"),
             standin=first.get_str("GPU_MEMORY_DIR"))
+
+    def attach(self, upstream: Upstream, loop: asyncio.AbstractEventLoop) -> None:
+        """Send /sleep and /wake_up through the router's own client (service._serve, on `loop`):
+        its kept-alive connections, and no proxy from the environment (it ignores HTTP_PROXY,
+        which `requests` sent these loopback calls to)."""
+        self._client = (upstream, loop)
 
     def log_path(self, entry: Entry) -> Path:
         return self.project.generated / ROUTER_DIR / f"{entry.profile}.log"
@@ -243,15 +255,37 @@ class StackLifecycle:
         return self.probe.memory()
 
     def _post(self, entry: Entry, path: str, what: str) -> None:
+        """POST `path` on the router's client: run on its event loop, waited for here (a worker
+        thread; from the loop's own thread it would wait for itself)."""
+        if self._client is None:
+            raise RuntimeError("StackLifecycle.attach was not called: no HTTP client for "
+                               f"POST {path}")
+        upstream, loop = self._client
         try:
-            answer = requests.post(entry.url + path, timeout=SLEEP_TIMEOUT_S)
-        except requests.RequestException as exc:
-            raise StackError(f"the engine of {entry.id} did not {what}: {exc}",
-                             f"see its log (generated/router/{entry.profile}.log)") from exc
-        if answer.status_code != 200:
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None  # no loop runs in this thread: a worker thread, as it should be
+        if running is loop:
+            raise RuntimeError(f"POST {path} called on the router's event loop: it would block")
+        failed = f"see its log (generated/router/{entry.profile}.log)"
+        calling = upstream.post_bare(entry.url + path, SLEEP_TIMEOUT_S)
+        try:
+            future = asyncio.run_coroutine_threadsafe(calling, loop)
+        except RuntimeError as exc:  # the loop is closed: the router is gone
+            calling.close()
+            raise StackError(f"the engine of {entry.id} did not {what}: {exc}", failed) from exc
+        try:
+            status, body = future.result(SLEEP_TIMEOUT_S + LOOP_WAIT_S)
+        except UpstreamError as exc:
+            raise StackError(f"the engine of {entry.id} did not {what}: {exc}", failed) from exc
+        except (TimeoutError, concurrent.futures.CancelledError) as exc:
+            future.cancel()  # the router is stopping (its loop cancelled the call) or stalled
+            raise StackError(f"the engine of {entry.id} did not {what}: the call was cut off "
+                             f"({type(exc).__name__})", failed) from exc
+        if status != 200:
             raise StackError(
-                f"the engine of {entry.id} answered {answer.status_code} to POST {path}: "
-                f"{answer.text[:200]}",
+                f"the engine of {entry.id} answered {status} to POST {path}: "
+                f"{body[:200].decode('utf-8', 'replace')}",
                 "sleep mode needs vLLM's --enable-sleep-mode and VLLM_SERVER_DEV_MODE=1 (the "
                 "router sets both in sleep mode) on a platform vLLM sleeps on (CUDA, ROCm)")
 

@@ -1,20 +1,90 @@
-"""The engine pool's vocabulary: model states, a load's outcome, a swap's record, the errors a
-request can get, and the Lifecycle interface loads and unloads go through (stacks.StackLifecycle
-for real, fakes in tests)."""
+"""The engine pool's vocabulary: model states and the transitions between them, a load's
+outcome, a swap's record, the errors a request can get, and the Lifecycle interface loads and
+unloads go through (stacks.StackLifecycle for real, fakes in tests)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Protocol
 
 from vllmstack.core.errors import StackError
 from vllmstack.router.catalog import Catalog, Entry
 from vllmstack.runtime.gpu import GpuMemory
 
-UNLOADED, LOADING, READY, FAILED, UNLOADING = "unloaded", "loading", "ready", "failed", "unloading"
-# Sleep mode: a loaded engine whose weights are in host RAM; it answers no request until woken.
-SLEEPING, ASLEEP, WAKING = "sleeping", "asleep", "waking"
+
+class MemberState(StrEnum):
+    """An engine's state in the pool. A StrEnum, so each is exactly its value wherever it is
+    written (the JSON of /v1/health, router.json and the dashboard's router card, f-strings in
+    the log): byte for byte the plain strings these were."""
+
+    UNLOADED = "unloaded"
+    LOADING = "loading"
+    READY = "ready"
+    FAILED = "failed"
+    UNLOADING = "unloading"
+    # Sleep mode: a loaded engine whose weights are in host RAM; it answers no request until woken.
+    SLEEPING = "sleeping"
+    ASLEEP = "asleep"
+    WAKING = "waking"
+
+
+UNLOADED, LOADING, READY, FAILED, UNLOADING = (MemberState.UNLOADED, MemberState.LOADING,
+                                               MemberState.READY, MemberState.FAILED,
+                                               MemberState.UNLOADING)
+SLEEPING, ASLEEP, WAKING = MemberState.SLEEPING, MemberState.ASLEEP, MemberState.WAKING
+
+# What each state may become: every edge is one the pool takes (named where), nothing more; a
+# change outside it is a bug (IllegalTransitionError), never a card showing a state the engine is not
+# in. FAILED is reachable from every state: a switch that fails marks its target failed whatever
+# step it reached (swaps.switch), and that handler must never raise itself.
+TRANSITIONS: Mapping[MemberState, frozenset[MemberState]] = {
+    # swaps.bring_up starts it; engines.adopt takes over an engine that runs, awake or asleep;
+    # a switch failing before the load began (no fit, an engine giving way not stopped, no room
+    # on the card). UNLOADING: a load cut short after its engine started (its first sleep or
+    # wake failed) is marked unloaded while its process may still run, so it is stopped later.
+    UNLOADED: frozenset({LOADING, READY, ASLEEP, FAILED, UNLOADING}),
+    # Ready after the load, or after its first sleep (swaps.pay_first_sleep, before it is
+    # declared ready); failed; unloaded when the pool cut the load short (nobody waited).
+    LOADING: frozenset({READY, SLEEPING, FAILED, UNLOADED}),
+    # Put to sleep or stopped as it gives way (also idle TTL, /v1/unload, the router's stop);
+    # failed when it stops answering (Pool.engine_gone).
+    READY: frozenset({SLEEPING, UNLOADING, FAILED}),
+    # Asleep, or awake again when the sleep failed on a live engine, or stopped when the sleep
+    # failed or kept its memory (also the router's stop after cancelling the switch); failed
+    # when the engine died in its first sleep, unloaded when that load was cut short.
+    SLEEPING: frozenset({ASLEEP, READY, UNLOADING, FAILED, UNLOADED}),
+    # Woken (never ready without WAKING), stopped, or failed as the target of a failed switch.
+    ASLEEP: frozenset({WAKING, UNLOADING, FAILED}),
+    # Ready; stopped when the wake failed (then started anew) or by the router's stop; failed,
+    # or unloaded in a load cut short, when a first sleep's wake raised.
+    WAKING: frozenset({READY, UNLOADING, FAILED, UNLOADED}),
+    # Stopped, or failed when `down` raised; UNLOADING again: the router's stop stops anew an
+    # engine whose stop the switch it cancelled had begun.
+    UNLOADING: frozenset({UNLOADED, FAILED, UNLOADING}),
+    # Loaded again (its failed load left nothing running), or what is left of it stopped first;
+    # FAILED again: a stop that failed in a switch is marked by the stop, then by the switch.
+    FAILED: frozenset({LOADING, UNLOADING, FAILED}),
+}
+
+
+class IllegalTransitionError(RuntimeError):
+    """A state change TRANSITIONS does not allow. A RuntimeError, not a StackError: it is the
+    router's own bug, with no cause or fix the user could act on; swaps.switch reports it as
+    "a bug of the router" and marks its target failed, a request handler answers 500."""
+
+    def __init__(self, member: str, old: MemberState, new: MemberState) -> None:
+        super().__init__(f"{member}: {old} -> {new} is not a transition of the engine pool "
+                         f"(from {old}: {', '.join(sorted(TRANSITIONS[old])) or 'none'})")
+        self.member, self.old, self.new = member, old, new
+
+
+def check_transition(member: str, old: MemberState, new: MemberState) -> None:
+    """Raise IllegalTransitionError unless `old` may become `new`."""
+    if new not in TRANSITIONS[old]:
+        raise IllegalTransitionError(member, old, new)
 
 
 class RouterBusyError(StackError):
@@ -93,7 +163,7 @@ class Lifecycle(Protocol):
 
 @dataclass
 class ModelStatus:
-    state: str = UNLOADED
+    state: MemberState = UNLOADED
     error: dict[str, str] | None = None  # {"cause", "fix"} of the last failure
     since: float = field(default_factory=time.time)
 

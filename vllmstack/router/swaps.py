@@ -87,6 +87,9 @@ async def put_away(pool: Pool, member: Member, swap: Swap, why: str, *,
     if member.ready:
         action = f"puts {member.id} to sleep" if sleeps else f"unloads {member.id}"
         await pool.drain(member, f"the router {action} {why}")
+        # A forward that failed during the drain may have marked it gone (failed): only a
+        # ready engine is put to sleep (failed -> sleeping is no transition); a gone one stops.
+        sleeps = sleeps and member.ready
     began = pool.clock()
     if sleeps:
         slept = await sleep(pool, member, stop_unreleased=True)

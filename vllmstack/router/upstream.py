@@ -136,6 +136,22 @@ class Upstream:
         except (TimeoutError, aiohttp.ClientError, OSError):
             return False
 
+    async def post_bare(self, url: str, timeout: float) -> tuple[int, bytes]:
+        """POST with no body (an engine's dev-mode /sleep and /wake_up): its status and body.
+        Its own `timeout` in all, not the forwards' read timeout: a first sleep takes minutes.
+        UpstreamError when no answer came."""
+        try:
+            async with self.session.post(url, allow_redirects=False, timeout=aiohttp.ClientTimeout(
+                    total=timeout, sock_connect=self.limits.connect_timeout)) as answer:
+                return answer.status, await answer.read()
+        except TimeoutError:
+            raise UpstreamError(f"no answer within {timeout:g} s", timeout=True) from None
+        except aiohttp.ClientConnectorError as exc:
+            raise UpstreamError(f"cannot connect ({exc.os_error.strerror or exc.os_error})",
+                                refused=True) from None
+        except (aiohttp.ClientError, OSError) as exc:
+            raise UpstreamError(_describe(exc)) from None
+
     @contextlib.asynccontextmanager
     async def open(self, url: str, headers: CIMultiDict[str], body: bytes, cut: Cut
                    ) -> AsyncIterator[aiohttp.ClientResponse]:

@@ -57,7 +57,9 @@ class EngineRuntime(Protocol):
         ...
 
     def prepare(self, command: ServeCommand, *, dry_run: bool) -> list[str]:
-        """Everything before start (images, folders, rendered files); returns notes for the user."""
+        """Everything before start (images, folders, rendered files); returns notes for the user.
+        `command` was built for this runtime's placement (runtime/select.engine_placement): it
+        is what `start` runs and what `up` records."""
         ...
 
     def beside(self, command: ServeCommand) -> Beside:

@@ -20,7 +20,7 @@ from typing import Any, TextIO
 import yaml
 from dotenv import dotenv_values
 
-from vllmstack.config.engine import LLAMACPP, engine_image, engine_of
+from vllmstack.config.engines.table import engine_kind
 from vllmstack.config.profiles import Resolved
 from vllmstack.config.vllm_args import ServeCommand
 from vllmstack.core.errors import StackError
@@ -36,7 +36,7 @@ from vllmstack.runtime.compose_files import (
     PACKAGE_MOUNT,
     container_path,
 )
-from vllmstack.runtime.engine_image import llamacpp_image_problem, missing_image_fix
+from vllmstack.runtime.engine_image import image_label_problems, missing_image_fix
 
 # Builds AITER's JIT core and the unified-attention kernels once, in a throwaway container, so
 # the tensor-parallel workers do not race to build them at boot (ModuleNotFoundError, or a
@@ -200,7 +200,7 @@ class ComposeEngine:
         if result.ok and self._did_not_start(self.service):
             result = Result(result.argv, 1, result.stdout, result.stderr)
         if not result.ok:
-            image = engine_image(self.resolved) if self.resolved else "the engine image"
+            image = engine_kind(self.resolved).image(self.resolved) if self.resolved else "the engine image"
             raise ComposeError(
                 f"compose could not start the engine:\n{result.stderr.strip()[-1500:]}",
                 f"check that the image {image} exists (`invoke build` makes the full-build image) "
@@ -292,8 +292,8 @@ class ComposeEngine:
     def prepare(self, command: ServeCommand, *, dry_run: bool) -> list[str]:
         """Image, cache folders and the rendered files; returns notes on what was left out."""
         project, resolved = self._stack()
-        image = engine_image(resolved)
-        llamacpp = engine_of(resolved) == LLAMACPP
+        kind = engine_kind(resolved)
+        image = kind.image(resolved)
         present = self.image_exists(image)
         if not present:
             missing = ComposeError(f"the engine image {image} does not exist on this host",
@@ -304,21 +304,19 @@ class ComposeEngine:
             print(f"(dry run) {missing.cause}: `invoke up` stops here; {missing.fix}",
                   file=self.out)
         labels = build.read_image_labels(self.runner, self.cli.engine, image)
-        if llamacpp:
-            problem = llamacpp_image_problem(resolved, labels or {})
-            if problem is not None and not dry_run:
-                raise ComposeError(*problem)
-        else:
-            for finding in build.image_label_findings(project, resolved, labels):
-                if finding.severity != "info":
-                    print(finding.render(), file=self.out)
+        problem, findings = image_label_problems(project, resolved, labels)
+        for finding in findings:
+            if finding.severity != "info":
+                print(finding.render(), file=self.out)
+        if problem is not None and not dry_run:
+            raise ComposeError(*problem)
         ids = engine_env.detect_host_ids(resolved)
         paths = engine_env.stack_paths(resolved, self.environ)
         for line in engine_env.ensure_cache_dirs(paths, ids, dry_run=dry_run):
             print(("(dry run) " if dry_run else "") + line, file=self.out)
         override, notes = compose_files.build_override(
             project, resolved, command, runtime=self.cli.runtime, ids=ids, paths=paths,
-            package_dir=None if llamacpp else (labels or {}).get(PACKAGE_LABEL),
+            package_dir=(labels or {}).get(PACKAGE_LABEL) if kind.vllm_cli else None,
             host=flavours.probe_host(), image_present=present)
         env = compose_files.interpolation_env(resolved, ids, paths)
         rendered = compose_files.write_rendered(project, resolved, command, override, env, notes)
@@ -335,7 +333,7 @@ class ComposeEngine:
         image, devices, user, caches and MODELS_DIR, with this package mounted read-only and
         importable; the files are rendered for `command` before the first run."""
         _, resolved = self._stack()
-        image = engine_image(resolved)
+        image = engine_kind(resolved).image(resolved)
         paths = engine_env.stack_paths(resolved, self.environ)
         rendered: list[bool] = []
         package = Path(__file__).resolve().parents[1]

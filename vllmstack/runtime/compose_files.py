@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from vllmstack.config.engine import LLAMACPP, engine_image, engine_of
+from vllmstack.config.engines.table import engine_kind, others
 from vllmstack.config.profiles import Resolved
 from vllmstack.config.schema import Schema, load_schema
 from vllmstack.config.vllm_args import ServeCommand
@@ -92,11 +92,13 @@ def build_override(
     flavour = flavours.FLAVOURS.get(runtime, flavours.COMPOSE_V2)
     host_keys = flavours.host_keys(flavour, host or flavours.Host())
     notes: list[str] = []
-    # vLLM images' entrypoint is `vllm serve`, the llama.cpp image's `llama-server`: the command
-    # is everything after it.
-    skip = 1 if engine_of(resolved) == LLAMACPP else 2
+    # The kind's first words (`vllm serve`, `llama-server`) as the entrypoint, the rest as the
+    # command: the container runs the recorded argv whatever entrypoint the image declares
+    # (VLLM_IMAGE may be any image with a `vllm` on its PATH).
+    entrypoint = engine_kind(resolved).entrypoint
     service: dict[str, Any] = {
-        "command": [_escape(a) for a in command.argv[skip:]],
+        "entrypoint": list(entrypoint),
+        "command": [_escape(a) for a in command.argv[len(entrypoint):]],
         "environment": {k: _escape(v) for k, v in engine_environment(resolved, schema).items()},
         "labels": {
             "vllmstack.profile": resolved.profile,
@@ -174,7 +176,7 @@ def interpolation_env(resolved: Resolved, ids: HostIds, paths: StackPaths) -> di
     """Variables compose.yaml interpolates. Prefixed so that no .env can satisfy them: a bare
     `docker compose up` must fail and say to use invoke."""
     return {
-        "VLLMSTACK_VLLM_IMAGE": engine_image(resolved),
+        "VLLMSTACK_VLLM_IMAGE": engine_kind(resolved).image(resolved),
         "VLLMSTACK_DASHBOARD_IMAGE": resolved.get("DASHBOARD_IMAGE") or "",
         "VLLMSTACK_USER_UID": str(ids.uid),
         "VLLMSTACK_USER_GID": str(ids.gid),
@@ -230,23 +232,19 @@ def _resolved_text(resolved: Resolved) -> str:
     """Every setting with the file:line that set it, less the other engine's keys left at their
     defaults: a vLLM profile's record need not list the sixteen llama-server defaults it never
     passes (nor the reverse). One of them that a layer set is kept: it is in the user's files."""
-    engine = engine_of(resolved)
-    llamacpp = engine == LLAMACPP
+    kind = engine_kind(resolved)
     schema = resolved.schema or load_schema()
     kept, left = [], 0
     for key, setting in sorted(resolved.values.items()):
         spec = schema.get(key)
-        # All of llama.cpp's keys are its own; of vLLM's, VLLM_PORT and a few more serve both.
-        other = (spec is not None and spec.becomes == "vllm-flag") if llamacpp else key.startswith(
-            "LLAMACPP_")
-        if other and setting.source == "default":
+        if kind.foreign_setting(key, spec.becomes if spec else None) and setting.source == "default":
             left += 1
             continue
         kept.append(_resolved_entry(key, setting.value, setting.source))
     if left:
-        others = "vLLM" if llamacpp else "llama.cpp"
-        kept.insert(0, f"# Not listed: {left} {others} settings at their defaults "
-                       f"(this profile runs ENGINE={engine}).\n")
+        shown = " or ".join(other.display for other in others(kind))
+        kept.insert(0, f"# Not listed: {left} {shown} settings at their defaults "
+                       f"(this profile runs ENGINE={kind.name}).\n")
     return "".join(kept)
 
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllmstack.config.engine import LLAMACPP, engine_of
+from vllmstack.config.engines.table import engine_kind
 from vllmstack.config.llamacpp_args import default_models_dir
 from vllmstack.config.profiles import Resolved
 from vllmstack.config.schema import Schema, is_engine_env_name
@@ -96,7 +96,7 @@ def stack_paths(resolved: Resolved, environ: Mapping[str, str]) -> StackPaths:
     hf = Path(resolved.get("HF_CACHE_DIR") or cache / "huggingface").expanduser()
     models = resolved.get("MODELS_DIR")
     folder = (Path(models).expanduser() if models else
-              default_models_dir(resolved, home) if engine_of(resolved) == LLAMACPP else None)
+              default_models_dir(resolved, home) if engine_kind(resolved).model_file else None)
     return StackPaths(hf, cache / "vllmstack-engine", folder)
 
 

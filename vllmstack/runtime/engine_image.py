@@ -1,21 +1,35 @@
 """The engine's container image: which one a profile needs, how to make it when it is missing, and
-whether a llama.cpp image was built for the platform's backend (its labels say)."""
+whether a llama.cpp image was built for the platform's backend (its labels say).
+
+Both answers are per engine kind: `MISSING_FIXES` and `LABEL_PROBLEMS` have one entry per kind
+of config/engines (its build is part of its install)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from vllmstack.config.engine import LLAMACPP, engine_image, engine_of, llamacpp_backend
+from vllmstack.config.engines import llamacpp, vllm
+from vllmstack.config.engines.llamacpp import llamacpp_backend
+from vllmstack.config.engines.table import engine_kind, engine_of
 from vllmstack.config.profiles import Resolved
+from vllmstack.core.findings import Finding
+from vllmstack.core.paths import Project
+from vllmstack.image import build
 from vllmstack.image.llamacpp_image import BACKEND_LABEL as LLAMACPP_BACKEND_LABEL
 from vllmstack.image.llamacpp_image import REF_LABEL as LLAMACPP_REF_LABEL
 
 
 def missing_image_fix(resolved: Resolved, image: str, engine_cli: str) -> str:
     """How to get the image: the stack builds its own (no registry needed), others are pulled."""
-    if engine_of(resolved) == LLAMACPP:
-        return (f"build it with `invoke build --engine llamacpp` (llama-server from the pinned "
-                f"source for {llamacpp_backend(resolved)}), or set LLAMACPP_IMAGE")
+    return MISSING_FIXES[engine_of(resolved)](resolved, image, engine_cli)
+
+
+def _llamacpp_missing_fix(resolved: Resolved, image: str, engine_cli: str) -> str:
+    return (f"build it with `invoke build --engine llamacpp` (llama-server from the pinned "
+            f"source for {llamacpp_backend(resolved)}), or set LLAMACPP_IMAGE")
+
+
+def _vllm_missing_fix(resolved: Resolved, image: str, engine_cli: str) -> str:
     if image.startswith("localhost/vllm-fullbuild"):
         return "build it with `invoke build` (a from-source ROCm build: hours)"
     if resolved.get_str("GPU_VENDOR") == "none":
@@ -30,7 +44,7 @@ def llamacpp_image_problem(resolved: Resolved, labels: Mapping[str, str]) -> tup
     image without the labels is the operator's own, taken as it is."""
     built_for = labels.get(LLAMACPP_BACKEND_LABEL)
     want = llamacpp_backend(resolved)
-    image = engine_image(resolved)
+    image = engine_kind(resolved).image(resolved)
     if built_for is not None and built_for != want:
         return (f"the image {image} holds a llama-server built for {built_for}, but this platform "
                 f"needs {want} (LLAMACPP_BACKEND)",
@@ -40,3 +54,27 @@ def llamacpp_image_problem(resolved: Resolved, labels: Mapping[str, str]) -> tup
         return (f"the image {image} holds llama.cpp {built_ref}, not the pinned {ref} (LLAMACPP_REF)",
                 "invoke build --engine llamacpp (rebuilds it from the pinned source)")
     return None
+
+
+def image_label_problems(project: Project, resolved: Resolved, labels: Mapping[str, str] | None,
+                         ) -> tuple[tuple[str, str] | None, list[Finding]]:
+    """What the engine image's labels say against the profile: (cause, fix) that stops `up`, and
+    findings to print (`labels` None: the image is not there to read)."""
+    return LABEL_PROBLEMS[engine_of(resolved)](project, resolved, labels)
+
+
+def _vllm_label_problems(project: Project, resolved: Resolved, labels: Mapping[str, str] | None,
+                         ) -> tuple[tuple[str, str] | None, list[Finding]]:
+    # The stack's vLLM images carry their pins: a mismatch is a warning, the image still serves.
+    return None, build.image_label_findings(project, resolved,
+                                            dict(labels) if labels is not None else None)
+
+
+def _llamacpp_label_problems(project: Project, resolved: Resolved,
+                             labels: Mapping[str, str] | None,
+                             ) -> tuple[tuple[str, str] | None, list[Finding]]:
+    return llamacpp_image_problem(resolved, labels or {}), []
+
+
+MISSING_FIXES = {vllm.KIND.name: _vllm_missing_fix, llamacpp.KIND.name: _llamacpp_missing_fix}
+LABEL_PROBLEMS = {vllm.KIND.name: _vllm_label_problems, llamacpp.KIND.name: _llamacpp_label_problems}

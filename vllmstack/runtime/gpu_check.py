@@ -22,7 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllmstack.config.engine import LLAMACPP, engine_of, llamacpp_backend
+from vllmstack.config.engines import llamacpp, vllm
+from vllmstack.config.engines.llamacpp import llamacpp_backend
+from vllmstack.config.engines.table import engine_of
 from vllmstack.config.profiles import Resolved
 from vllmstack.config.schema import load_schema
 from vllmstack.core.errors import StackError
@@ -343,10 +345,16 @@ def gpu_check(project: Project, resolved: Resolved, runner: Runner, *, runtime: 
     native: `python` or the install-engine environment's Python, with the profile's engine
     variables; compose: inside the running engine container (`engine`), the image's Python."""
     vendor = resolved.get_str("GPU_VENDOR") or "none"
+    probe = PROBES[engine_of(resolved)]
+    return probe(project, resolved, runner, runtime=runtime, engine=engine, environ=environ,
+                 vendor=vendor, python=python)
+
+
+def _torch_check(project: Project, resolved: Resolved, runner: Runner, *, runtime: str,
+                 engine: EngineRuntime | None, environ: Mapping[str, str], vendor: str,
+                 python: str | None) -> GpuCheck:
+    """A vLLM profile: what the engine's torch sees."""
     gpu_arch = resolved.get_str("GPU_ARCH")
-    if engine_of(resolved) == LLAMACPP:
-        return _llamacpp_check(project, resolved, runner, runtime=runtime, engine=engine,
-                               environ=environ, vendor=vendor)
     if runtime == "compose":
         if engine is None or not engine.state().running:
             raise GpuCheckError("gpu-check --runtime compose runs inside the engine container, and "
@@ -363,7 +371,7 @@ def gpu_check(project: Project, resolved: Resolved, runner: Runner, *, runtime: 
 
 def _llamacpp_check(project: Project, resolved: Resolved, runner: Runner, *, runtime: str,
                     engine: EngineRuntime | None, environ: Mapping[str, str],
-                    vendor: str) -> GpuCheck:
+                    vendor: str, python: str | None) -> GpuCheck:
     """A llama.cpp profile: the devices its llama-server sees (its image and build have no torch)."""
     if runtime == "compose":
         if engine is None or not engine.state().running:
@@ -385,6 +393,11 @@ def _llamacpp_check(project: Project, resolved: Resolved, runner: Runner, *, run
         where = f"native: {binary}"
     result = runner.run(argv, env=env, mutates=False, timeout=300)
     return evaluate_llamacpp(result.stdout + result.stderr, vendor=vendor, where=where)
+
+
+# What each engine kind is probed with where it runs (its image and build decide: llama.cpp's
+# have no torch).
+PROBES = {vllm.KIND.name: _torch_check, llamacpp.KIND.name: _llamacpp_check}
 
 
 def _engine_python(project: Project, resolved: Resolved) -> str:

@@ -9,6 +9,7 @@ import re
 from collections.abc import Mapping
 from typing import Any, TextIO
 
+from vllmstack.config.engines.kind import Placement
 from vllmstack.config.profiles import Resolved
 from vllmstack.core.checkout import DERIVED_FROM_CHECKOUT, default_compose_project
 from vllmstack.core.errors import StackError
@@ -17,6 +18,7 @@ from vllmstack.core.runner import Runner
 from vllmstack.runtime import compose
 from vllmstack.runtime.base import EngineRuntime
 from vllmstack.runtime.compose_files import compose_files
+from vllmstack.runtime.native.command import native_placement
 from vllmstack.runtime.native.engine import NativeEngine
 
 # The default before it was derived per checkout: state files written by an `up` of that time
@@ -80,6 +82,15 @@ def runs_several(requested: str) -> bool:
     """Whether this runtime runs several engines of one checkout at once (named engines, each
     with its own port, record, log and lock): the native runtime; Compose runs one."""
     return requested == MULTI_ENGINE_RUNTIME
+
+
+def engine_placement(project: Project, resolved: Resolved, environ: Mapping[str, str],
+                     requested: str) -> Placement:
+    """Where the profile's engine runs on the runtime `requested` (its name, as `--runtime`
+    takes it): the argv `check` builds for it is the one `up` records and the runtime starts."""
+    if requested == "native":
+        return native_placement(project, resolved, environ)
+    return Placement()  # a container: the image's own program, templates at their mount
 
 
 def open_runtime(project: Project, resolved: Resolved, environ: Mapping[str, str], runner: Runner,

@@ -8,6 +8,7 @@ shared by every runtime. This module strings them together.
 
 from __future__ import annotations
 
+import shlex
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -17,14 +18,14 @@ from typing import Any, TextIO
 import requests
 
 from vllmstack.checks.registry import run_checks
-from vllmstack.config.engine import LLAMACPP, VLLM, display_name, engine_of
+from vllmstack.config.engines.table import DEFAULT, display_name, engine_kind, engine_of
 from vllmstack.config.profiles import Resolved
 from vllmstack.config.vllm_args import ServeCommand
 from vllmstack.core.errors import StackError
 from vllmstack.core.files import FileWriteError, remove_file
 from vllmstack.core.findings import Finding
 from vllmstack.core.paths import Project
-from vllmstack.core.runner import Runner
+from vllmstack.core.runner import Runner, mask_argv
 from vllmstack.core.store import clear_store
 from vllmstack.observe import metrics
 from vllmstack.observe.health import health_status, identify_server
@@ -120,7 +121,7 @@ def _stop_others(stack: Stack, previous: Mapping[str, Any], *, own: bool, dry_ru
     stopped_own = False
     if own:
         print(f"--stop-other: stopping this stack's engine (profile {previous.get('profile', '?')}, "
-              f"{display_name(str(previous.get('engine') or VLLM))}) first", file=stack.out)
+              f"{display_name(str(previous.get('engine') or DEFAULT.name))}) first", file=stack.out)
         _down(stack, timeout=DRAIN_TIMEOUT_S, dry_run=dry_run)
         stopped_own = True
     units = active_services(stack.resolved, stack.runner)
@@ -229,7 +230,7 @@ def _already_running(previous: Mapping[str, Any]) -> Guard:
                      "not say with which command (an `invoke up` ended before it recorded it): "
                      "one engine is resident at a time",
                      "`invoke down` first, or `invoke up --stop-other` to stop it and start this one")
-    running = display_name(str(previous.get("engine") or VLLM))
+    running = display_name(str(previous.get("engine") or DEFAULT.name))
     return Guard(
         "already-running",
         f"the stack already runs {running} with profile {previous.get('profile', '?')} "
@@ -258,7 +259,7 @@ def _boot(stack: Stack, notes: list[str], *, dashboard: bool, timeout: float | N
         boot = wait_until_healthy(stack.engine, stack.url, limit, Progress(out, out.isatty()),
                                   vendor=resolved.get_str("GPU_VENDOR"),
                                   secrets=resolved.secrets(),
-                                  loading_503=engine_of(resolved) == LLAMACPP)
+                                  loading_503=engine_kind(resolved).loading_503)
         booting = False
         print(f"healthy after {boot:.1f} s", file=out)
         warm = warm_up(stack.url, stack.served_name)
@@ -409,6 +410,8 @@ def status(stack: Stack) -> dict[str, Any]:
         # the profile .env selects must not read as if it ran.
         "profile": recorded.get("profile"),
         "platform": recorded.get("platform"),
+        # The argv it runs (the one `check` built for the runtime's placement), tokens masked.
+        "argv": mask_argv([str(a) for a in recorded["argv"]]) if recorded.get("argv") else None,
         "selected": {"profile": stack.resolved.profile, "platform": stack.resolved.platform},
         "state": state.status,
         "restarts": state.restart_count,
@@ -441,6 +444,8 @@ def render_status(report: dict[str, Any]) -> str:
         what = (f"{report['runtime']}; nothing started by `invoke up` here; `invoke up` would "
                 f"start {chosen.get('profile')} on {chosen.get('platform')}")
     lines = [f"engine: {health} ({what})", f"url:    {report['url']}"]
+    if report.get("argv"):
+        lines.append(f"argv:   {shlex.join(report['argv'])}")
     if report["model"]:
         lines.append(f"model:  {report['model']} (max_model_len {report['max_model_len']})")
     if report["kv_cache_usage"] is not None:

@@ -41,13 +41,14 @@ from typing import Any
 
 from vllmstack.config.modelinfo import locate_model_dir, profile_hf_cache
 from vllmstack.config.profiles import Resolved, Setting
-from vllmstack.core.corpus import split_corpus
 from vllmstack.core.errors import StackError
 from vllmstack.core.paths import Project
+from vllmstack.core.safetensors_file import Tensor, encode_safetensors
 from vllmstack.runtime.base import Beside
 from vllmstack.runtime.engine_env import stack_paths
 from vllmstack.runtime.native.beside import NO_ENGINE_FIX
 from vllmstack.runtime.native.install import engine_interpreter, engine_version
+from vllmstack.workload.corpus import BUNDLED_CORPUS, split_corpus
 
 SIDECAR = "vllmstack-kv-calibration.json"
 FP8_E4M3_MAX = 448.0
@@ -55,7 +56,7 @@ SCALES_FILE = "kv_scales.safetensors"
 # Bump when what the sidecar promises changes (the measurement, the file layout).
 FORMAT_VERSION = 2  # 2: the corpus's held-out tenth is no longer measured
 KV_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
-DEFAULT_CORPUS = Path(__file__).resolve().parents[1] / "bench" / "workload" / "corpus" / "essays.txt"
+DEFAULT_CORPUS = BUNDLED_CORPUS
 
 
 def source_revision(folder: Path) -> str:
@@ -169,14 +170,8 @@ def scales_from_amax(layers: Mapping[str, Mapping[str, float]]) -> dict[str, dic
 
 def f32_safetensors(tensors: Mapping[str, float]) -> bytes:
     """A safetensors file of 1-element float32 tensors (vLLM's KV scale parameters are [1])."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    data = b""
-    for name, value in tensors.items():
-        header[name] = {"dtype": "F32", "shape": [1], "data_offsets": [len(data), len(data) + 4]}
-        data += struct.pack("<f", value)
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text + data
+    return encode_safetensors([Tensor(name, "F32", (1,), struct.pack("<f", value))
+                               for name, value in tensors.items()])
 
 
 def calibrated_config(config: dict[str, Any]) -> dict[str, Any]:

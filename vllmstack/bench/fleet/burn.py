@@ -44,12 +44,12 @@ from vllmstack.bench.report import history
 from vllmstack.bench.runs.runs import find_served_model
 from vllmstack.bench.runs.session import user
 from vllmstack.bench.target import Target, target_from_profile
-from vllmstack.bench.workload.prompts import load_corpus
-from vllmstack.config.engine import display_name, engine_of
+from vllmstack.config.engines.table import display_name, engine_of
 from vllmstack.config.profiles import available, list_profiles, resolve
 from vllmstack.core.errors import StackError
 from vllmstack.core.paths import Project, results_folder
 from vllmstack.core.runner import Runner, SubprocessRunner
+from vllmstack.workload.prompts import load_corpus
 
 KIND = "burn"
 UNSTABLE_SPREAD = 0.10  # std over this share of the mean flags a row

@@ -28,8 +28,7 @@ import requests
 
 from vllmstack.bench.client.client import RequestResult
 from vllmstack.bench.runs.session import Session
-from vllmstack.bench.workload.prompts import TokenizerError
-from vllmstack.config.engine import LLAMACPP
+from vllmstack.config.engines.table import kind_named
 from vllmstack.config.profiles import Resolved
 from vllmstack.core.errors import StackError
 from vllmstack.core.paths import Project
@@ -40,6 +39,7 @@ from vllmstack.runtime.gpu import GIB, GpuProbe, total_used
 from vllmstack.serve import lifecycle
 from vllmstack.serve.stack import Stack
 from vllmstack.serve.state import read_state
+from vllmstack.workload.prompts import TokenizerError
 
 
 @dataclass
@@ -245,12 +245,10 @@ def _deferred_signals() -> Iterator[None]:
 
 
 def keep_alive(engine: str) -> bool:
-    """Whether to reuse connections to this engine. llama-server closes the connection after every
-    streamed response without a `Connection: close` header (its chunked content provider returns
-    false at the end, which cpp-httplib treats as an error: tools/server/server-http.cpp, b9993),
-    so a request sent on it meanwhile is lost: one connection per request there (a localhost
-    connect, 0.18 ms median on the 2-core test machine, inside its TTFT)."""
-    return engine != LLAMACPP
+    """Whether to reuse connections to this engine (its kind's `keep_alive`: llama-server loses
+    a request sent on a connection that carried a streamed answer). One connection per request
+    costs a localhost connect, 0.18 ms median on the 2-core test machine, inside its TTFT."""
+    return kind_named(engine).keep_alive
 
 
 # --- GPU memory while the engine runs ------------------------------------------------------------

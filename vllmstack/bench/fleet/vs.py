@@ -47,15 +47,16 @@ from vllmstack.bench.runs.conc_runs import run_conc_level
 from vllmstack.bench.runs.runs import find_served_model, live_max_model_len, run_bench
 from vllmstack.bench.runs.session import Progress, RunError, RunOptions, measure_overhead
 from vllmstack.bench.target import Target, shared_platform, target_from_profile
-from vllmstack.bench.workload.ladders import DEFAULT_MARGIN
-from vllmstack.bench.workload.prompts import PromptBuilder, TokenizerError, load_tokenizer, resolve_tokenizer
-from vllmstack.config.engine import DISPLAY, LLAMACPP, VLLM, engine_of
+from vllmstack.config.engines.table import ENGINES as KINDS
+from vllmstack.config.engines.table import display_name, engine_of, kind_named
 from vllmstack.config.profiles import Resolved, resolve
 from vllmstack.core.errors import StackError
 from vllmstack.core.paths import Project, results_folder
 from vllmstack.core.runner import Runner, SubprocessRunner
+from vllmstack.workload.ladders import DEFAULT_MARGIN
+from vllmstack.workload.prompts import PromptBuilder, TokenizerError, load_tokenizer, resolve_tokenizer
 
-ENGINES = (VLLM, LLAMACPP)
+ENGINES = tuple(KINDS)
 KIND = "bench-vs"
 
 
@@ -133,7 +134,7 @@ def resolve_targets(project: Project, environ: Mapping[str, str], targets: Seque
             raise VsError(
                 f"target {text!r}: profile {profile} runs ENGINE={declared} (set at {where}), "
                 f"not {engine}",
-                f"write -t {declared}:{profile}, or pick a {DISPLAY.get(engine, engine)} profile")
+                f"write -t {declared}:{profile}, or pick a {display_name(engine)} profile")
         out.append(VsTarget(text, engine, profile, resolved))
     return out
 
@@ -233,7 +234,7 @@ def _run_target(project: Project, environ: Mapping[str, str], vt: VsTarget, opts
     """Up, measure, down; fills `row`. Returns why nothing else may start (it did not stop)."""
     target = target_from_profile(vt.resolved)
     tokenizer_path: Path | None = None
-    if vt.engine != LLAMACPP:
+    if not kind_named(vt.engine).model_file:
         try:  # before `up`: a missing tokenizer must not cost a model load
             tokenizer_path = resolve_tokenizer(target.tokenizer or "", environ, target.hf_cache)
         except TokenizerError as exc:
@@ -266,7 +267,7 @@ async def _measure(started: Started, vt: VsTarget, target: Target, tokenizer_pat
     async with ChatClient(target.url, api_key=target.api_key, timeout_s=opts.timeout_s,
                           tokenizer=local, keep_alive=keep_alive(vt.engine)) as client:
         live = await find_served_model(client, target.model)
-        if vt.engine == LLAMACPP:  # the VLLM_* limits say nothing about llama-server
+        if not kind_named(vt.engine).vllm_cli:  # the VLLM_* limits say nothing about it
             window, slots = await _llamacpp_limits(client)
         else:
             window = live_max_model_len(live) or target.max_model_len

@@ -24,7 +24,7 @@ from gguf import LlamaFileType
 from vllmstack.bench.fleet.resident import append_text, md_table, one_line, stamp, vram_text
 from vllmstack.checks.gguf_header import GgufError, open_header
 from vllmstack.checks.gguf_header import shown as quoted
-from vllmstack.config.engine import LLAMACPP, display_name, engine_of
+from vllmstack.config.engines.table import display_name, engine_kind
 from vllmstack.config.profiles import Resolved
 from vllmstack.runtime.engine_env import stack_paths
 
@@ -120,7 +120,7 @@ def read_gguf_source(path: Path) -> tuple[str | None, list[str], list[str]]:
 
 
 def checkpoint_of(resolved: Resolved, environ: Mapping[str, str]) -> Checkpoint:
-    if engine_of(resolved) != LLAMACPP:
+    if not engine_kind(resolved).model_file:
         model = resolved.get_str("VLLM_MODEL")
         quant = resolved.get_raw("MODEL_QUANT")
         label = model + (f" ({quant})" if quant else "")
@@ -141,26 +141,7 @@ def checkpoint_of(resolved: Resolved, environ: Mapping[str, str]) -> Checkpoint:
 
 def spec_draft(resolved: Resolved) -> str:
     """The speculative draft a profile runs with, as the table shows it ("-": none)."""
-    if engine_of(resolved) == LLAMACPP:
-        kinds = resolved.get_raw("LLAMACPP_SPEC_TYPE")
-        draft = resolved.get_raw("LLAMACPP_DRAFT_MODEL")
-        if not kinds and not draft:
-            return "-"
-        what = ", ".join(part for part in (kinds, Path(draft).name if draft else "") if part)
-        return f"{what} ×{resolved.get_int('LLAMACPP_DRAFT_MAX')}"
-    raw = resolved.get_raw("VLLM_SPEC_DECODE")
-    if not raw:
-        return "-"
-    try:
-        config = json.loads(raw)
-    except ValueError:
-        return one_line(raw, 60)
-    if not isinstance(config, dict):
-        return one_line(raw, 60)
-    method = config.get("method") or (Path(str(config["model"])).name if config.get("model")
-                                      else "draft")
-    depth = config.get("num_speculative_tokens")
-    return f"{method} ×{depth}" if depth else str(method)
+    return one_line(engine_kind(resolved).draft_label(resolved), 60)
 
 
 def assign_pairs(rows: list[dict[str, Any]]) -> None:

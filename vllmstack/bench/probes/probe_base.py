@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllmstack.bench.client.client import ChatClient, EndpointError
-from vllmstack.bench.workload.prompts import PromptBuilder
 from vllmstack.observe.metrics import MetricsError, MetricsSnapshot, parse_metrics
+from vllmstack.workload.prompts import PromptBuilder
 
 Progress = Callable[[str], None]
 THINKING_OFF = {"chat_template_kwargs": {"enable_thinking": False}}

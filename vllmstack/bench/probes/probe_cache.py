@@ -21,8 +21,8 @@ from typing import Any
 from vllmstack.bench.client.client import chat_body
 from vllmstack.bench.probes.probe_base import THINKING_OFF, ProbeContext, message_text
 from vllmstack.bench.probes.verdict import FAIL, INFO, Verdict
-from vllmstack.bench.workload.prompts import load_corpus
 from vllmstack.observe.metrics import CacheLayout, MetricsSnapshot
+from vllmstack.workload.prompts import load_corpus
 
 QUESTIONS = ["Which topic in the text did you find most interesting, and why?",
              "Give the text a short title.", "List three places mentioned in the text.",

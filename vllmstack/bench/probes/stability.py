@@ -20,7 +20,7 @@ from vllmstack.bench.client.client import RequestResult, chat_body
 from vllmstack.bench.client.stats import summarize
 from vllmstack.bench.probes.probes import ProbeContext
 from vllmstack.bench.probes.verdict import FAIL, INFO, Verdict
-from vllmstack.bench.workload.prompts import load_corpus
+from vllmstack.workload.prompts import load_corpus
 
 Progress = Callable[[str], None]
 MODES = ("smoke", "stress", "long")

@@ -16,8 +16,8 @@ from vllmstack.bench.runs.session import (
     summarize_results,
     user,
 )
-from vllmstack.bench.workload.ladders import conc_ladder
-from vllmstack.bench.workload.prompts import Prompt
+from vllmstack.workload.ladders import conc_ladder
+from vllmstack.workload.prompts import Prompt
 
 
 async def run_conc(session: Session, max_num_seqs: int | None) -> list[dict[str, Any]]:

@@ -19,8 +19,8 @@ from vllmstack.bench.runs.session import (
     summarize_results,
     user,
 )
-from vllmstack.bench.workload.ladders import depth_ladder
 from vllmstack.observe.metrics import MetricsSnapshot
+from vllmstack.workload.ladders import depth_ladder
 
 # A two-phase depth run counts as a cache hit when at least this share of the context was reused
 # (the tail of the context below one KV block can never be a hit).

@@ -30,7 +30,7 @@ from vllmstack.bench.runs.session import (
     user,
 )
 from vllmstack.bench.target import Target
-from vllmstack.bench.workload.prompts import PromptBuilder, load_tokenizer, resolve_tokenizer
+from vllmstack.workload.prompts import PromptBuilder, load_tokenizer, resolve_tokenizer
 
 __all__ = [
     "RUN_KINDS",

@@ -34,10 +34,10 @@ from vllmstack.bench.client.client import ChatClient, EndpointError, RequestResu
 from vllmstack.bench.client.stats import summarize
 from vllmstack.bench.options import MAX_TOKENS
 from vllmstack.bench.target import Target
-from vllmstack.bench.workload.ladders import DEFAULT_MARGIN
-from vllmstack.bench.workload.prompts import PromptBuilder
 from vllmstack.core.errors import StackError
 from vllmstack.observe.metrics import MetricsError, MetricsSnapshot, parse_metrics
+from vllmstack.workload.ladders import DEFAULT_MARGIN
+from vllmstack.workload.prompts import PromptBuilder
 
 Progress = Callable[[str], None]
 

@@ -10,7 +10,7 @@ The thresholds, and where they come from:
   That is the ROCm full build's figure: a CPU platform's image (Dockerfile.cpu: the base image
   and vLLM's CPU build, a 3.4 GB environment) takes CPU_IMAGE_GIB = 6 and CPU_BUILD_GIB = 10 to
   build (pip's download and wheel caches on top); a llama.cpp image (Dockerfile.llamacpp: one
-  static llama-server on the base image) LLAMACPP_IMAGE_GIB = 2 and LLAMACPP_BUILD_GIB = 6 (the
+  static llama-server on the base image) IMAGE_GIB = 2 and BUILD_GIB = 6 of config/engines/llamacpp.py (the
   source tree and its cmake build). Round allowances above what was measured, not measurements.
 * The weights: MODEL_WEIGHT_GIB of the profile, when the model is not in the cache yet. FAIL:
   the download cannot finish. Not counted when the profile came from .env (not --model) and is
@@ -31,7 +31,7 @@ from typing import Any
 
 from vllmstack.checks.host.model import FAIL, PASS, SKIP, WARN, HostCheck, HostView
 from vllmstack.checks.host.tools import RuntimeChoice
-from vllmstack.config.engine import LLAMACPP, engine_image, engine_of
+from vllmstack.config.engines.table import engine_kind
 from vllmstack.config.modelinfo import is_local_path, locate_model_dir, profile_hf_cache
 from vllmstack.config.profiles import Resolved
 from vllmstack.runtime.engine_env import stack_paths
@@ -40,7 +40,6 @@ from vllmstack.runtime.gpu import GIB
 IMAGE_GIB = 25.0
 BUILD_GIB = 100.0
 CPU_IMAGE_GIB, CPU_BUILD_GIB = 6.0, 10.0
-LLAMACPP_IMAGE_GIB, LLAMACPP_BUILD_GIB = 2.0, 6.0
 HEADROOM_GIB = 10.0
 
 
@@ -88,8 +87,9 @@ def _weights_to_fetch(resolved: Resolved, environ: Mapping[str, str]) -> float |
 
 def _image_sizes(resolved: Resolved) -> tuple[float, float]:
     """(GiB the engine image takes, GiB free to build it) for this profile's engine and platform."""
-    if engine_of(resolved) == LLAMACPP:
-        return LLAMACPP_IMAGE_GIB, LLAMACPP_BUILD_GIB
+    sizes = engine_kind(resolved).image_gib
+    if sizes is not None:
+        return sizes
     if resolved.get_str("GPU_VENDOR") == "none":
         return CPU_IMAGE_GIB, CPU_BUILD_GIB
     return IMAGE_GIB, BUILD_GIB
@@ -112,7 +112,7 @@ def needs(view: HostView, resolved: Resolved, environ: Mapping[str, str],
           choice: RuntimeChoice) -> list[Need]:
     out: list[Need] = []
     if choice.cli is not None:
-        image = engine_image(resolved)
+        image = engine_kind(resolved).image(resolved)
         store = _image_store(view, choice, resolved.get_str("DOCKER"))
         if view.run(choice.cli.engine, "image", "inspect", "--format", "{{.Id}}", image).ok:
             out.append(Need("images", store, 0.0, 0.0, f"{image} is there"))
@@ -123,8 +123,9 @@ def needs(view: HostView, resolved: Resolved, environ: Mapping[str, str],
                             f"{size:g} GiB for {image}"
                             + (f", {build_size:g} GiB to build it" if build else "")))
     hf = str(stack_paths(resolved, environ).hf_cache)
-    skipped = ("the GGUF file is local (LLAMACPP_MODEL), nothing to download"
-               if engine_of(resolved) == LLAMACPP else _not_for_platform(resolved))
+    kind = engine_kind(resolved)
+    skipped = (f"the GGUF file is local ({kind.model_key}), nothing to download"
+               if kind.model_file else _not_for_platform(resolved))
     weights = 0.0 if skipped else _weights_to_fetch(resolved, environ)
     model = resolved.get_str("VLLM_MODEL")
     why = (skipped if skipped else "the weights are there" if weights == 0 else

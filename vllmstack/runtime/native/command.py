@@ -9,11 +9,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllmstack.config.engine import LLAMACPP, engine_of, llamacpp_backend
-from vllmstack.config.llamacpp_args import build_llamacpp_argv
+from vllmstack.config.engines import llamacpp, vllm
+from vllmstack.config.engines.kind import Placement
+from vllmstack.config.engines.llamacpp import llamacpp_backend
+from vllmstack.config.engines.table import engine_kind, engine_of
 from vllmstack.config.profiles import Resolved
 from vllmstack.config.schema import load_schema
-from vllmstack.config.vllm_args import ArgvError, build_serve_argv
+from vllmstack.config.vllm_args import ArgvError, ServeCommand
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import format_command
 from vllmstack.image import patches
@@ -64,31 +66,74 @@ class NativeCommand:
         return format_command(["env", *(f"{k}={v}" for k, v in sorted(self.env.items())), *self.argv])
 
 
-def native_serve_command(project: Project, resolved: Resolved, environ: Mapping[str, str], *,
-                         folder: Path | None = None) -> NativeCommand:
-    """The argv and environment of the native engine: the container's, with host paths.
-    `folder`: the engine's own folder (default generated/native), which holds its sockets."""
-    if engine_of(resolved) == LLAMACPP:
-        return native_llamacpp_command(project, resolved, environ)
-    version = install.engine_version(resolved)
-    try:
-        # The container binds 0.0.0.0 and publishes VLLM_BIND; a host process binds it itself.
-        serve = build_serve_argv(resolved, host=resolved.get_str("VLLM_BIND"),
-                                 chat_template_dir=str((project.root / "chat-templates").resolve()))
-    except ArgvError as exc:
-        raise NativeError(str(exc), "fix the value named above (`invoke check` shows them all)") from exc
-    try:
-        prefix = shlex.split(resolved.get_str("NATIVE_ENGINE_COMMAND"))
-    except ValueError as exc:
-        raise NativeError(f"NATIVE_ENGINE_COMMAND is not valid shell words ({exc}) at "
-                          f"{resolved.source('NATIVE_ENGINE_COMMAND')}", "fix its quoting") from exc
-    venv: Path | None = None
+def native_placement(project: Project, resolved: Resolved, environ: Mapping[str, str]) -> Placement:
+    """Where a host process runs the profile's engine: it binds VLLM_BIND itself (a container
+    binds 0.0.0.0 and publishes VLLM_BIND), reads the checkout's chat templates and MODELS_DIR
+    where they are, and starts its environment's executable (or NATIVE_ENGINE_COMMAND /
+    LLAMACPP_SERVER). `check`, `up` and the start all build the argv from this one placement."""
+    return PLACEMENTS[engine_of(resolved)](project, resolved, environ)
+
+
+def _vllm_placement(project: Project, resolved: Resolved, environ: Mapping[str, str]) -> Placement:
+    prefix = _shell_words(resolved, "NATIVE_ENGINE_COMMAND")
     if not prefix:
+        version = install.engine_version(resolved)
         if not version:
             raise NativeError("no engine version for the native runtime",
                               "set VLLM_VERSION (or NATIVE_ENGINE_VERSION) in .env")
+        prefix = [str(install.engine_dir(project, version) / "bin" / "vllm")]
+    return Placement(host=resolved.get_str("VLLM_BIND"),
+                     chat_template_dir=str((project.root / "chat-templates").resolve()),
+                     program=tuple(prefix))
+
+
+def _llamacpp_placement(project: Project, resolved: Resolved,
+                        environ: Mapping[str, str]) -> Placement:
+    prefix = _shell_words(resolved, "LLAMACPP_SERVER")
+    if not prefix:
+        folder = llamacpp_build.build_dir(project, resolved.get_str("LLAMACPP_REF"),
+                                          llamacpp_backend(resolved))
+        prefix = [str(folder / "bin" / "llama-server")]
+    models = stack_paths(resolved, environ).models_dir
+    return Placement(host=resolved.get_str("VLLM_BIND"),
+                     models_dir=str(models) if models is not None else None, program=tuple(prefix))
+
+
+def _shell_words(resolved: Resolved, key: str) -> list[str]:
+    try:
+        return shlex.split(resolved.get_str(key))
+    except ValueError as exc:
+        raise NativeError(f"{key} is not valid shell words ({exc}) at {resolved.source(key)}",
+                          "fix its quoting") from exc
+
+
+def _placed_argv(project: Project, resolved: Resolved, environ: Mapping[str, str],
+                 command: ServeCommand | None) -> list[str]:
+    """The argv `check` built for this placement (what `up` records), else built here."""
+    if command is not None:
+        return list(command.argv)
+    try:
+        return engine_kind(resolved).build(resolved, native_placement(project, resolved, environ)).argv
+    except ArgvError as exc:
+        raise NativeError(str(exc), "fix the value named above (`invoke check` shows them all)") from exc
+
+
+def native_serve_command(project: Project, resolved: Resolved, environ: Mapping[str, str], *,
+                         folder: Path | None = None,
+                         command: ServeCommand | None = None) -> NativeCommand:
+    """The native engine's argv and environment. `command`: the argv `check` built for the
+    native placement (`up` passes it, so what runs is what it recorded); `folder`: the engine's
+    own folder (default generated/native), which holds its sockets."""
+    return COMMANDS[engine_of(resolved)](project, resolved, environ, folder,
+                                         _placed_argv(project, resolved, environ, command))
+
+
+def _vllm_command(project: Project, resolved: Resolved, environ: Mapping[str, str],
+                  folder: Path | None, argv: list[str]) -> NativeCommand:
+    version = install.engine_version(resolved)
+    venv: Path | None = None
+    if not resolved.get_str("NATIVE_ENGINE_COMMAND").strip():
         venv = install.engine_dir(project, version)
-        prefix = [str(venv / "bin" / "vllm")]
     paths = stack_paths(resolved, environ)
     # Compile caches per engine version: a host venv has other torch/Triton/AITER builds than the
     # image, and AITER's JIT modules are not keyed by version. Models are shared with containers.
@@ -115,37 +160,30 @@ def native_serve_command(project: Project, resolved: Resolved, environ: Mapping[
         env["PATH"] = f"{venv / 'bin'}{os.pathsep}{environ.get('PATH') or os.defpath}"
     env.update(engine_environment(resolved, load_schema()))
     notes = _unapplied_files(project, resolved, FP8_CONFIG_DIR)
-    return NativeCommand([*prefix, *serve.argv[1:]], env, version, venv, cache_dirs, notes)
+    return NativeCommand(argv, env, version, venv, cache_dirs, notes)
 
 
-def native_llamacpp_command(project: Project, resolved: Resolved,
-                            environ: Mapping[str, str]) -> NativeCommand:
-    """llama-server from `invoke install-engine --engine llamacpp` (built for the platform's backend), or
-    LLAMACPP_SERVER; the same argv the container gets, with the host's bind address."""
+def _llamacpp_command(project: Project, resolved: Resolved, environ: Mapping[str, str],
+                      folder: Path | None, argv: list[str]) -> NativeCommand:
+    """llama-server from `invoke install-engine --engine llamacpp` (built for the platform's
+    backend), or LLAMACPP_SERVER."""
     ref, backend = resolved.get_str("LLAMACPP_REF"), llamacpp_backend(resolved)
-    try:
-        prefix = shlex.split(resolved.get_str("LLAMACPP_SERVER"))
-    except ValueError as exc:
-        raise NativeError(f"LLAMACPP_SERVER is not valid shell words ({exc}) at "
-                          f"{resolved.source('LLAMACPP_SERVER')}", "fix its quoting") from exc
     paths = stack_paths(resolved, environ)
     problem: tuple[str, str] | None = None
     install_fix: str | None = None
-    if not prefix:
-        folder = llamacpp_build.build_dir(project, ref, backend)
-        prefix = [str(folder / "bin" / "llama-server")]
+    if not resolved.get_str("LLAMACPP_SERVER").strip():
         install_fix = f"invoke install-engine --engine llamacpp --backend {backend}"
         problem = llamacpp_build.backend_problem(project, ref, backend)
-    try:
-        serve = build_llamacpp_argv(resolved, host=resolved.get_str("VLLM_BIND"),
-                                    models_dir=paths.models_dir)
-    except ArgvError as exc:
-        raise NativeError(str(exc), "fix the value named above (`invoke check` shows them all)") from exc
     cache = paths.engine_cache / "native" / f"llamacpp-{ref}-{backend}"
     env = {"HF_HOME": str(paths.hf_cache), "LLAMA_CACHE": str(cache), "TMPDIR": str(cache / "tmp")}
     env.update(engine_environment(resolved, load_schema()))
-    return NativeCommand([*prefix, *serve.argv[1:]], env, f"llamacpp-{ref}-{backend}", None,
+    return NativeCommand(argv, env, f"llamacpp-{ref}-{backend}", None,
                          [cache, cache / "tmp"], problem=problem, install_fix=install_fix)
+
+
+# One entry per engine kind (config/engines): how its host process is placed and started.
+PLACEMENTS = {vllm.KIND.name: _vllm_placement, llamacpp.KIND.name: _llamacpp_placement}
+COMMANDS = {vllm.KIND.name: _vllm_command, llamacpp.KIND.name: _llamacpp_command}
 
 
 def _unapplied_files(project: Project, resolved: Resolved, fp8_dir: str) -> list[str]:

@@ -105,6 +105,7 @@ class NativeEngine:
         default_factory=lambda: lambda path: os.access(path, os.R_OK | os.W_OK))
     name: str = "native"
     slot: str = ""  # the engine's name in the checkout; "" is `invoke up`'s default engine
+    prepared: ServeCommand | None = None  # the argv `up` checked and records (see prepare)
 
     @classmethod
     def for_stack(cls, project: Project, resolved: Resolved, environ: Mapping[str, str],
@@ -150,12 +151,14 @@ class NativeEngine:
     def command(self) -> NativeCommand:
         if self.resolved is None:
             raise NativeError("no profile was resolved, so there is nothing to start")
-        return native_serve_command(self.project, self.resolved, self.environ, folder=self.folder)
+        return native_serve_command(self.project, self.resolved, self.environ, folder=self.folder,
+                                    command=self.prepared)
 
     # -- EngineRuntime ----------------------------------------------------------------------------
 
     def prepare(self, command: ServeCommand, *, dry_run: bool) -> list[str]:
-        # A host process needs no image or rendered files; `start` makes its folders.
+        # No image or files; `start` runs `command`: the argv `check` built, which `up` records.
+        self.prepared = command
         return []
 
     def beside(self, command: ServeCommand) -> Beside:

@@ -26,7 +26,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
 
-from vllmstack.config.engine import llamacpp_backend
+from vllmstack.config.engines.llamacpp import llamacpp_backend
 from vllmstack.config.profiles import Resolved
 from vllmstack.core.checkout import holds_stack_lock
 from vllmstack.core.cpu import cpu_flags

@@ -1,20 +1,21 @@
-"""Wheel files as pip sees them: name, version and tags from the file name (PEP 427), and whether
-an interpreter accepts them. install-engine reads its --wheels folders and the source build's
-wheel with these."""
+"""Wheel files as pip sees them: name, version and tags from the file name (PEP 427, parsed by
+`packaging`, pip's own library), and whether an interpreter accepts them. install-engine reads
+its --wheels folders and the source build's wheel with these."""
 
 from __future__ import annotations
 
 import re
 import zipfile
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
+
+from packaging.tags import Tag, compatible_tags, cpython_tags
+from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
+from packaging.version import InvalidVersion, Version
 
 from vllmstack.core.errors import StackError
 from vllmstack.runtime.native import elf
-
-# {name}-{version}(-{build})?-{python tag}-{abi tag}-{platform tag}.whl (PEP 427).
-WHEEL = re.compile(r"^(?P<name>[^-]+)-(?P<version>[^-]+)(-\d[^-]*)?-(?P<py>[^-]+)-(?P<abi>[^-]+)-"
-                   r"(?P<plat>[^-]+)\.whl$")
 
 
 class WheelError(StackError):
@@ -25,26 +26,31 @@ class WheelError(StackError):
 class Wheel:
     path: Path
     name: str  # normalised (PEP 503)
-    version: str
-    python_tags: tuple[str, ...]
-    abi: str
-    platforms: tuple[str, ...] = ()  # e.g. ("manylinux_2_28_x86_64",), or ("linux_x86_64",)
+    version: str  # normalised (PEP 440), as a wheel's file name spells it
+    tags: frozenset[Tag]  # the file name's compressed tag set, expanded
 
     @property
     def public_version(self) -> str:
-        return self.version.split("+", 1)[0]
+        return Version(self.version).public
+
+    @property
+    def platforms(self) -> tuple[str, ...]:
+        """e.g. ("manylinux_2_28_x86_64",), or ("linux_x86_64",)."""
+        return tuple(sorted({tag.platform for tag in self.tags}))
 
 
 def normalise_name(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
+    return str(canonicalize_name(name))
 
 
 def parse_wheel(path: Path) -> Wheel | None:
-    match = WHEEL.match(path.name)
-    if not match:
+    """None for a file pip would not take as a wheel either (a name without its five or six
+    parts, a version that is not PEP 440): callers name what they looked for instead."""
+    try:
+        name, version, _build, tags = parse_wheel_filename(path.name)
+    except (InvalidWheelFilename, InvalidVersion):
         return None
-    return Wheel(path, normalise_name(match["name"]), match["version"],
-                 tuple(match["py"].split(".")), match["abi"], tuple(match["plat"].split(".")))
+    return Wheel(path, str(name), str(version), tags)
 
 
 def scan_wheels(folder: Path) -> list[Wheel]:
@@ -52,32 +58,34 @@ def scan_wheels(folder: Path) -> list[Wheel]:
 
 
 def wheel_fits_python(wheel: Wheel, python: tuple[int, int]) -> bool:
-    """Whether pip on this Python would accept the wheel's python/abi tags."""
-    ours = python[0] * 100 + python[1]
-    for tag in wheel.python_tags:
-        if tag in ("py3", f"py{python[0]}{python[1]}") or tag == f"py{python[0]}":
-            return True
-        digits = tag[2:]
-        if tag.startswith("cp") and digits.isdigit():
-            theirs = int(digits[0]) * 100 + int(digits[1:] or 0)
-            # abi3 wheels run on their Python and every later one.
-            if theirs == ours or (wheel.abi == "abi3" and theirs <= ours):
-                return True
-    return False
+    """Whether pip on this CPython would accept the wheel's python/abi tags: the tags it accepts,
+    as pip lists them, for the wheel's own platforms (the platform is another question: the C
+    library's is `needed_glibc`). The ABI is named, not read from this interpreter: the engine's
+    Python is another one, and packaging would otherwise take debug or free-threading flags from
+    this one."""
+    interpreter = f"cp{python[0]}{python[1]}"
+    accepted = chain(cpython_tags(python, abis=[interpreter], platforms=wheel.platforms),
+                     compatible_tags(python, interpreter, platforms=wheel.platforms))
+    return not wheel.tags.isdisjoint(accepted)
 
 
 def describe_tags(wheel: Wheel) -> str:
-    tags = []
-    for tag in wheel.python_tags:
-        digits = tag[2:]
-        if tag.startswith("cp") and digits.isdigit():
-            tags.append(f"CPython {digits[0]}.{digits[1:]}" + (" or later" if wheel.abi == "abi3" else ""))
+    """The Pythons a wheel is for, in words: "CPython 3.12", "CPython 3.8 or later" (abi3)."""
+    described = []
+    # By length first: cp39 before cp310.
+    for interpreter in sorted({t.interpreter for t in wheel.tags}, key=lambda t: (len(t), t)):
+        digits = interpreter[2:]
+        if interpreter.startswith("cp") and digits.isdigit():
+            abi3 = any(t.abi == "abi3" for t in wheel.tags if t.interpreter == interpreter)
+            described.append(f"CPython {digits[0]}.{digits[1:]}" + (" or later" if abi3 else ""))
         else:
-            tags.append(tag)
-    return ", ".join(tags)
+            described.append(interpreter)
+    return ", ".join(described)
 
 
 # manylinux_X_Y (PEP 600) and the older names it replaced (PEP 513, 571, 599): the glibc each needs.
+# Read here because packaging has no public way to ask a tag's glibc: its _manylinux module is
+# private and answers only which tags this host's glibc accepts.
 MANYLINUX = re.compile(r"^manylinux_(\d+)_(\d+)_")
 LEGACY_MANYLINUX = {"manylinux1": (2, 5), "manylinux2010": (2, 12), "manylinux2014": (2, 17)}
 

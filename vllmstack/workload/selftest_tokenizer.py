@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vllmstack.bench.workload.prompts import load_corpus
+from vllmstack.workload.prompts import load_corpus
 
 
 def train_corpus_tokenizer(path: Path, *, vocab_size: int = 1200) -> Path:

@@ -26,8 +26,8 @@ from typing import Any
 
 from vllmstack.core.errors import StackError
 from vllmstack.core.files import path_kind
+from vllmstack.workload.corpus import CORPUS_FILE
 
-CORPUS_FILE = "essays.txt"
 PARAGRAPH_SEPARATOR = "\n\n"
 MAX_FIT_ROUNDS = 12
 
@@ -38,7 +38,7 @@ class TokenizerError(StackError, ValueError):
 
 def load_corpus() -> list[str]:
     """The shipped corpus as paragraphs (original prose, varied topics, no downloads)."""
-    text = resources.files("vllmstack.bench.workload").joinpath("corpus", CORPUS_FILE).read_text("utf-8")
+    text = resources.files("vllmstack.workload").joinpath("corpus", CORPUS_FILE).read_text("utf-8")
     return [p.strip() for p in text.split(PARAGRAPH_SEPARATOR) if p.strip()]
 
 
