@@ -51,7 +51,7 @@ def test_invoke_bench_json_contract(tmp_path: Path) -> None:
         failed = invoke("probe", "no-such-probe", "--url", sim.url, "--model", "sim")
         assert failed.returncode == 1
         error, fix = failed.stderr.splitlines()[-2:]
-        assert error.startswith("error: NAME 'no-such-probe' is not one of itl-stall, ")
+        assert error.startswith("error: NAME 'no-such-probe' is not one of depth-decay, itl-stall, ")
         assert fix.startswith("fix:")
 
 

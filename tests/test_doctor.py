@@ -38,7 +38,7 @@ EMPTY = HOST / "nvidia-bare"  # a host without AMD devices, KFD or CDI specs
 ALICE = "uid=1000(alice) gid=1000(alice) groups=1000(alice),44(video),992(render),998(docker)"
 ALICE_NO_GROUPS = "uid=1000(alice) gid=1000(alice) groups=1000(alice),998(docker)"
 MISSING = Result((), 127, "", "command not found")
-IDS = ["kernel", "cwsr", "amdgpu-dkms", "devices", "runtimes", "docker", "nvidia-driver",
+IDS = ["kernel", "cwsr", "amdgpu-dkms", "rocm", "devices", "runtimes", "docker", "nvidia-driver",
        "nvidia-toolkit", "disk", "gpus"]
 
 
@@ -600,7 +600,8 @@ def test_the_recorded_h200_machine_end_to_end(project: Project) -> None:
     report = run_doctor(project, platform(project, "2xnvidia", "VLLM_TP=2", "RUNTIME=native"),
                         {"HOME": str(project.root / "home")}, runner, root=EMPTY, user=ids)
     statuses = {c.id: c.status for c in report.checks}
-    assert statuses == {"kernel": PASS, "cwsr": SKIP, "amdgpu-dkms": SKIP, "devices": SKIP,
+    assert statuses == {"kernel": PASS, "cwsr": SKIP, "amdgpu-dkms": SKIP, "rocm": SKIP,
+                        "devices": SKIP,
                         "runtimes": PASS, "docker": SKIP, "nvidia-driver": PASS,
                         "nvidia-toolkit": SKIP, "disk": PASS, "gpus": PASS}
     assert not report.failed and report.check("kernel").detail == "Linux 6.18.44-fc-v657-gpu"

@@ -318,6 +318,46 @@ def test_stability_smoke_passes(served: Stack) -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
 
 
+def test_probe_depth_decay_computes_its_verdict(served: Stack) -> None:
+    """`invoke probe depth-decay` on the real engine: the tiny model's window caps the 8K/32K/64K
+    ladder to the same shape scaled down, each depth is measured by bench-depth's run, and the
+    verdict follows from the shares it reports. Placed before `down` so that it runs on the
+    module's one boot. Pass or fail is the engine's; consistency is the probe's."""
+    from vllmstack.bench.probes.probe_decay import plan_depths
+
+    window = int(next(line.split("=", 1)[1] for line in
+                      (served.root / "env" / "models" / "tiny.env").read_text().splitlines()
+                      if line.startswith("VLLM_MAX_MODEL_LEN=")))
+    started = time.monotonic()
+    result = served.invoke("probe", "depth-decay", "--param", "pp=64", "--param", "tg=64",
+                           "--json", timeout=300)
+    print(f"probe depth-decay on the real CPU engine: {time.monotonic() - started:.0f} s")
+    said = result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode in (0, 1, 2), said
+    record = json.loads(result.stdout)
+    details, checks = record["details"], {c["name"]: c for c in record["checks"]}
+    plan = plan_depths(window, 64, 64)
+    assert plan is not None and details["depths"] == list(plan.depths), said
+    assert len(plan.depths) == 3 and details["capped_by"].startswith(f"max_model_len {window}")
+    for depth in plan.depths:
+        assert f"decode at {depth}" in checks, checks
+    rates, shares = details["tg_tps"], details["shares"]
+    if record["verdict"] == "inconclusive":
+        # Only for a stream the starved API server released in one burst (no decode rate).
+        assert any("in one burst" in w for w in details["warnings"]), said
+        return
+    assert all(r > 0 for r in rates), details
+    assert shares[0] == 1.0
+    assert shares == pytest.approx([r / rates[0] for r in rates])
+    deepest = f"decode at {plan.depths[-1]} / {plan.depths[0]}"
+    assert checks[deepest]["value"] == f"{shares[-1]:.0%}"
+    passed = shares[-1] >= 0.5
+    assert (record["verdict"], result.returncode) == (("pass", 0) if passed else ("fail", 1)), said
+    assert details["gpu_vendor"] == "none" and details["kv_cache_dtype"]  # cpu.env; /metrics
+    if not passed:
+        assert "another attention backend" in details["fix"] and "AITER" not in details["fix"]
+
+
 def test_down_stops_the_engine(served: Stack) -> None:
     started = time.monotonic()
     served.must("down", timeout=180)

@@ -22,6 +22,10 @@ Environment (all optional; an `SIM_*` value wins over the argv):
   SIM_PREFILL_TPS       prompt tokens per second of prefill (default 20000; 0 = instant). Only the
                         tokens not served from the prefix cache are computed, as in vLLM.
   SIM_ITL_MS            gap between decode steps in ms (default 10)
+  SIM_DECODE_DEPTH_SLOWDOWN
+                        ms added to every decode step per 1,000 prompt tokens (the context each
+                        step attends over), like an attention backend whose decode slows with
+                        depth (default 0: the same gap at every depth)
   SIM_TOKENS_PER_CHUNK  tokens per decode step after the first token, like speculative decoding
                         (default 1; 2 when --speculative-config is given)
   SIM_ROLE_DELAY_MS     send the role-only chunk, then wait this long before the first token
@@ -76,7 +80,8 @@ simulator's own counts under "sim": sleeps, wakes, levels, requests_while_asleep
 Pacing (absolute deadlines from the moment the request gets a slot, so errors do not add up):
   first token  = admit + SIM_TTFT_MS + computed_prompt_tokens / SIM_PREFILL_TPS + SIM_ROLE_DELAY_MS
   role chunk   = first token - SIM_ROLE_DELAY_MS (chat streams only)
-  step j >= 1  = first token + j * SIM_ITL_MS, carrying min(SIM_TOKENS_PER_CHUNK, left) tokens
+  step j >= 1  = first token + j * (SIM_ITL_MS + SIM_DECODE_DEPTH_SLOWDOWN * prompt tokens / 1000),
+                 carrying min(SIM_TOKENS_PER_CHUNK, left) tokens
 A non-streamed request is answered at the time its last step would have been sent.
 
 Token counting: with SIM_TOKENIZER, the exact token ids of the rendered prompt. Otherwise each of
@@ -189,6 +194,7 @@ class Config:
     ttft_ms: float = 20.0
     prefill_tps: float = 20000.0
     itl_ms: float = 10.0
+    decode_depth_slowdown: float = 0.0  # ms per decode step per 1,000 prompt tokens
     tokens_per_chunk: int = 1
     role_delay_ms: float = 0.0
     kv_cache_tokens: int = 0
@@ -403,6 +409,8 @@ def load_config(argv: Sequence[str], environ: dict[str, str]) -> Config:
     cfg.ttft_ms = _env_float(env, "SIM_TTFT_MS", cfg.ttft_ms)
     cfg.prefill_tps = _env_float(env, "SIM_PREFILL_TPS", cfg.prefill_tps)
     cfg.itl_ms = _env_float(env, "SIM_ITL_MS", cfg.itl_ms)
+    cfg.decode_depth_slowdown = _env_float(env, "SIM_DECODE_DEPTH_SLOWDOWN",
+                                           cfg.decode_depth_slowdown)
     cfg.tokens_per_chunk = _env_int(env, "SIM_TOKENS_PER_CHUNK", cfg.tokens_per_chunk, minimum=1)
     cfg.role_delay_ms = _env_float(env, "SIM_ROLE_DELAY_MS", cfg.role_delay_ms)
     cfg.kv_cache_tokens = _env_int(env, "SIM_KV_CACHE_TOKENS", cfg.max_model_len * 8, minimum=1)
@@ -1274,7 +1282,8 @@ class Engine:
         return req.admitted + self.cfg.ttft_ms / 1000 + prefill + self.cfg.role_delay_ms / 1000
 
     def step_deadline(self, req: Request, step: int) -> float:
-        return self.first_token_deadline(req) + step * self.cfg.itl_ms / 1000
+        gap_ms = self.cfg.itl_ms + self.cfg.decode_depth_slowdown * len(req.prompt_tokens) / 1000
+        return self.first_token_deadline(req) + step * gap_ms / 1000
 
     def record_prefill(self, req: Request) -> None:
         """Counters vLLM updates when the prompt has been processed."""

@@ -31,6 +31,7 @@ from vllmstack.bench.probes.stability import run_stability
 from vllmstack.bench.probes.verdict import Verdict
 from vllmstack.bench.report import history
 from vllmstack.bench.report.report import build_report
+from vllmstack.bench.runs.decay_runs import make_depth_rows
 from vllmstack.bench.runs.runs import (
     RUN_KINDS,
     RunOptions,
@@ -153,13 +154,15 @@ async def _run_checks(args: argparse.Namespace, target: Target, environ: Mapping
             if getattr(args, key) is not None:
                 params[key] = getattr(args, key)
     params = check_params(owner, params)  # before anything is loaded or sent
-    needs_tokenizer = args.command == "probe" and args.name == "itl-stall"
+    needs_tokenizer = args.command == "probe" and args.name in ("itl-stall", "depth-decay")
     builder, tokenizer = _load_builder(target, environ, needs_tokenizer)
     async with ChatClient(target.url, api_key=target.api_key, timeout_s=args.timeout,
                           tokenizer=tokenizer) as client:
         max_len = await _live_limits(client, target)
         ctx = ProbeContext(client, target.model, builder, target.max_num_seqs, max_len,
-                           params, progress)
+                           params, progress, settings=dict(target.settings),
+                           depth_rows=make_depth_rows(client, builder, target, progress)
+                           if builder is not None else None)
         if args.command == "probe":
             return await run_probe(args.name, ctx)
         return await run_stability(args.mode, ctx)

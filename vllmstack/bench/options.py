@@ -277,7 +277,8 @@ COMMANDS = (
              *PROFILE_OPTIONS),
             aliases=("bench-conc",)),
     Command("probe", "probe", "Run one regression probe; exit 0 pass, 1 fail, 2 inconclusive.",
-            (Option("name", "itl-stall | tool-truncation | thinkoff | prefix-cache | multi-image",
+            (Option("name", "itl-stall | tool-truncation | thinkoff | prefix-cache | multi-image | "
+                    "depth-decay",
                     positional=True, choices=_probe_names),
              *TARGET_OPTIONS,
              replace(PARAM, help="probe setting KEY=VALUE, repeatable (e.g. victims=3, "

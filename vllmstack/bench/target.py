@@ -17,6 +17,9 @@ from vllmstack.core.errors import StackError
 from vllmstack.core.paths import Project
 
 PIN_KEY = re.compile(r"^[A-Z0-9_]+_(REF|VERSION|IMAGE)$")
+# What the depth-decay probe's verdict names and picks its fix by; the server reports none of them
+# over HTTP but the KV dtype (vllm:cache_config_info).
+PROBE_KEYS = ("ATTENTION_BACKEND", "VLLM_KV_CACHE_DTYPE", "GPU_VENDOR", "GPU_ARCH")
 
 
 class TargetError(StackError, ValueError):
@@ -41,6 +44,7 @@ class Target:
     hf_cache: str | None = None
     # What the card and the model allow at best (bench/report/roofline.py); None on a CPU platform.
     roofline: dict[str, Any] | None = None
+    settings: dict[str, str] = field(default_factory=dict)  # PROBE_KEYS the profile sets
 
     def describe(self) -> dict[str, Any]:
         """The part of a history record that says what was measured."""
@@ -141,6 +145,7 @@ def target_from_profile(
         pins=pins_of(resolved),
         from_profile=url is None,
         hf_cache=profile_hf_cache(resolved),
+        settings={key: value for key in PROBE_KEYS if (value := resolved.get(key) or "")},
     )
 
 

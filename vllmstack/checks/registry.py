@@ -46,6 +46,7 @@ from vllmstack.checks.profile import (
     rule_profile_problems,
     rule_required,
 )
+from vllmstack.checks.rdna4 import rule_fp8_kv_backend, rule_rccl_ll_protocol, with_image_labels
 from vllmstack.checks.rocm import rule_rocm
 from vllmstack.checks.router import rule_router_swap
 from vllmstack.checks.scheduler import rule_scheduler, rule_spec_decode
@@ -92,6 +93,8 @@ RULES: tuple[Rule, ...] = (
     rule_kv_scales,
     rule_cpu_fp8_kv,
     rule_rocm,
+    rule_rccl_ll_protocol,
+    rule_fp8_kv_backend,
     rule_pins,
     rule_overlays,
     rule_router_swap,
@@ -114,6 +117,8 @@ RULE_ENGINES: Mapping[Rule, tuple[str, ...]] = MappingProxyType({
     rule_tuned_configs: _VLLM,
     rule_pins: _VLLM,
     rule_overlays: _VLLM,
+    rule_rccl_ll_protocol: _VLLM,  # vLLM's tensor parallelism all-reduces through RCCL
+    rule_fp8_kv_backend: _VLLM,
     rule_llamacpp_required: _LLAMACPP,
     rule_llamacpp_argv: _LLAMACPP,
     rule_gguf_files: _LLAMACPP,
@@ -211,7 +216,7 @@ def check_profile(
     labels = build.read_image_labels(runner, docker, resolved.get("VLLM_IMAGE") or "")
     findings += [_missing_image_for_containers(f, ctx) for f in
                  build.image_label_findings(project, resolved, labels)]
-    return sort_findings(findings)
+    return sort_findings(with_image_labels(findings, resolved, labels))
 
 
 def _missing_image_for_containers(finding: Finding, ctx: CheckContext) -> Finding:

@@ -35,7 +35,7 @@ def rule_spec_decode(ctx: CheckContext) -> list[Finding]:
             "error", "mtp-depth-vs-seqs", "VLLM_SPEC_DECODE",
             f"MTP with {drafts} draft tokens at max_num_seqs={seqs} (from "
             f"{ctx.src('VLLM_MAX_NUM_SEQS')}) corrupts output from {MTP_CORRUPTION_SEQS} "
-            "sequences on",
+            "sequences on (vllm-project/vllm#35288)",
             fix=f'set "num_speculative_tokens": 1, or VLLM_MAX_NUM_SEQS={MTP_CORRUPTION_SEQS - 1}'))
     if drafts is None:
         out.append(ctx.finding(

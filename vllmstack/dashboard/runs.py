@@ -324,6 +324,10 @@ class RunManager:
         return (proc is not None and not proc.zombie and proc.start_ticks == start
                 and self._table.has_env(pid, f"{RUN_MARKER_VAR}={marker}".encode()))
 
+    def _alive(self, pid: int, start: int) -> bool:
+        proc = self._table.get(pid)
+        return proc is not None and not proc.zombie and proc.start_ticks == start
+
     def _adopt(self) -> None:
         """Find a run an earlier dashboard left running (killed, it could not end it)."""
         if self._record_path is None:
@@ -373,7 +377,9 @@ class RunManager:
                 break
             _signal_group(pid, sig)  # it leads its own group (start_new_session)
             deadline = time.monotonic() + wait
-            while self._same(*adopted) and time.monotonic() < deadline:
+            # Waited for by pid and start time, not the marker: an exiting process's environ
+            # reads empty before it is gone, and "cancelled" must mean it has ended.
+            while self._alive(pid, adopted[1]) and time.monotonic() < deadline:
                 time.sleep(0.05)
         self._end_adopted(kind, adopted, "cancelled")
 

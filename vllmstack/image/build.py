@@ -50,6 +50,9 @@ BUILD_FILE = "Dockerfile.fullbuild"
 PACKAGE_LINK = "/opt/vllm-package"
 LABEL = "vllmstack."
 PIN_LABEL = LABEL + "pin."
+# The ROCm release of the base image (ROCM_IMAGE's tag): the RCCL the image carries is that
+# release's, so `check` can tell whether it has the gfx12 LL-protocol fix (checks/rdna4.py).
+ROCM_RELEASE_LABEL = LABEL + "rocm-release"
 # Pins that do not change what is built, so a difference is no reason to rebuild.
 NOT_COMPARED = {"MAX_JOBS"}
 # The Dockerfile's fetch-stage selector and stage prefix of each source.
@@ -210,6 +213,9 @@ def image_labels(project: Project, resolved: Resolved, report: VerifyReport,
     target = target or target_of(resolved)
     labels = {PIN_LABEL + key.lower(): resolved.get_raw(key) for key in pin_keys(target)}
     labels[LABEL + "target"] = target.name
+    release = rocm_release(resolved.get_raw("ROCM_IMAGE")) if target.name == "rocm" else None
+    if release is not None:
+        labels[ROCM_RELEASE_LABEL] = f"{release[0]}.{release[1]}"
     for name in component_folders(project):
         if name in COMPONENTS and name in target.sources:
             applied = patch_files(project.patches / name)

@@ -262,6 +262,26 @@ SIGNATURES: tuple[Signature, ...] = (
              "HSA_OVERRIDE_GFX_VERSION=11.0.0 in the platform layer",
          nvidia="use a vLLM build whose CUDA and torch support this card's compute capability (a "
                 "newer vllm/vllm-openai image or wheel for new cards)"),
+    # Triton's launch-time check (triton.runtime.errors.OutOfResources), exact text from
+    # kyuz0/amd-r9700-vllm-toolboxes#17 and ROCm/aiter#4329/#5035; on gfx1201 the known kernel
+    # is AITER's unified_attention, whose 3D config overshoots RDNA's 64 KiB LDS (ROCm/aiter#5229).
+    _sig("triton-lds-overflow",
+         r"out of resource: shared memory, Required: (?P<need>\d+), Hardware limit: (?P<limit>\d+)",
+         "a Triton kernel asked for {need} bytes of shared memory (LDS) where the GPU has {limit}",
+         "use another attention backend (ATTENTION_BACKEND=TRITON_ATTN) or a smaller KV block size",
+         amd="on RDNA (64 KiB LDS) this is AITER's unified_attention (ROCm/aiter#5229): pin an AITER "
+             "with the RDNA LDS guard (ROCm/aiter#4868, in AITER_REF v0.1.24.post1 with the stack's "
+             "patches/aiter), or use ATTENTION_BACKEND=TRITON_ATTN"),
+    # The HSA runtime's line in the engine's own output (ROCm/legacy-rocm-build#6157) and the
+    # kernel's (#5890, #6630: gfx1201 on AMD's rocm/vllm RDNA image, ROCm 7.14, first request).
+    _sig("gpu-page-fault",
+         r"Memory access fault by GPU node-\d+ .*Reason: (?P<why>[^.]+)|\[gfxhub\] page fault",
+         "the GPU faulted on a memory access (a page fault) and the runtime aborted the engine",
+         "read `sudo dmesg | grep -i fault` for the faulting process; check the driver and "
+         "kernel against the engine's runtime",
+         amd="on gfx1201 AMD's rocm/vllm RDNA image on ROCm 7.14 faults on the first request "
+             "(ROCm/legacy-rocm-build#6630): use the stack's own image (invoke build) or another "
+             "ROCm release; on gfx1151 run `invoke doctor` (the kernel's CWSR fix)"),
     _sig("gpu-oom-loading", r"(HIP|CUDA) out of memory|OutOfMemoryError",
          "the GPU ran out of memory while loading or profiling",
          "lower VLLM_GPU_MEM_UTIL's competitors: stop other GPU users, lower VLLM_MAX_NUM_BATCHED_TOKENS, "

@@ -259,7 +259,8 @@ def _boot(stack: Stack, notes: list[str], *, dashboard: bool, timeout: float | N
         boot = wait_until_healthy(stack.engine, stack.url, limit, Progress(out, out.isatty()),
                                   vendor=resolved.get_str("GPU_VENDOR"),
                                   secrets=resolved.secrets(),
-                                  loading_503=engine_kind(resolved).loading_503)
+                                  loading_503=engine_kind(resolved).loading_503,
+                                  tensor_parallel=resolved.get_int("VLLM_TP"))
         booting = False
         print(f"healthy after {boot:.1f} s", file=out)
         warm = warm_up(stack.url, stack.served_name)

@@ -16,6 +16,8 @@ from vllmstack.serve import diagnosis
 from vllmstack.serve.stack import LifecycleError
 
 POLL_S = 0.5
+# A boot whose log stood still this long at the timeout hung rather than worked slowly.
+HANG_SILENCE_S = 120.0
 
 # The newest line holding one of these names the boot phase (texts from real vLLM 0.27 boots:
 # shared/reference/vllm-captures/boot.log, shared/gpu/runs-*). Specific phrases only: a bare
@@ -145,6 +147,7 @@ def wait_until_healthy(
     vendor: str | None = None,
     secrets: Sequence[str] = (),
     loading_503: bool = False,
+    tensor_parallel: int = 1,
 ) -> float:
     """Return seconds until /health said 200. Raise LifecycleError with a diagnosis otherwise.
 
@@ -160,11 +163,14 @@ def wait_until_healthy(
     first = engine.state()
     restarts = first.restart_count
     lines: list[str] = []
+    changed_at = 0.0
     try:
         while True:
             elapsed = clock() - start
             state = engine.state()
-            lines = _masked(engine.log_lines(200), secrets)
+            previous, lines = lines, _masked(engine.log_lines(200), secrets)
+            if lines != previous:
+                changed_at = elapsed
             if not state.running or state.restart_count > restarts or state.status == "restarting":
                 raise _engine_died(engine, state, elapsed, vendor=vendor, secrets=secrets)
             status = health(url)
@@ -178,13 +184,23 @@ def wait_until_healthy(
                 tail = _masked(engine.log_lines(30), secrets)
                 raise LifecycleError(
                     f"the engine did not become healthy within {timeout:.0f} s "
-                    f"(last phase: {progress.phase or phase_of(lines)})",
+                    f"(last phase: {progress.phase or phase_of(lines)})"
+                    + hang_hint(elapsed - changed_at, vendor, tensor_parallel),
                     "raise --timeout (first boots compile kernels for minutes), or read the log "
                     "tail above for a hang",
                     details=["--- last log lines ---", *tail])
             sleep(POLL_S)
     finally:
         progress.done()
+
+
+def hang_hint(silent_s: float, vendor: str | None, tensor_parallel: int) -> str:
+    """A running engine that stopped logging is not a crash: on AMD at TP >= 2 the known cause is
+    RCCL's LL-protocol deadlock on gfx12 (ROCm/rocm-systems#5480, vllm-project/vllm#40980)."""
+    if silent_s < HANG_SILENCE_S or vendor != "amd" or tensor_parallel < 2:
+        return ""
+    return (f"; no log line for {silent_s:.0f} s: a TP all-reduce hang on gfx1201 looks like this "
+            "(NCCL_PROTO=Simple, ROCm/rocm-systems#5480)")
 
 
 # How much of a dead engine's log the diagnosis reads (a TP boot failure can log thousands of

@@ -84,6 +84,11 @@ PARAMS: dict[str, tuple[Param, ...]] = {
                      _count("context_tokens"), _count("max_tokens")),
     "multi-image": (_count("images", 1, 64), _count("width", 64, 8192), _count("height", 64, 8192),
                     _count("max_tokens")),
+    # tg of at least 2: a decode rate needs a token after the first.
+    "depth-decay": (_count("pp"), _count("tg", 2), _count("runs", 1, 100),
+                    Param("min_share", float, 0, 1, True), _count("max_depth", 512),
+                    Param("attention_backend", str), Param("gpu_vendor", str),
+                    Param("gpu_arch", str)),
     "smoke": (),
     "stress": (_count("workers"), _count("requests"), _count("max_tokens")),
     "long": (_count("runs"), _count("max_tokens"), _count("context_tokens", 256),

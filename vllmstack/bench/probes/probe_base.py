@@ -3,7 +3,7 @@ checked settings, and a way to read the engine's /metrics."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +13,10 @@ from vllmstack.workload.prompts import PromptBuilder
 
 Progress = Callable[[str], None]
 THINKING_OFF = {"chat_template_kwargs": {"enable_thinking": False}}
+# bench-depth's run over (depths, pp, tg, runs): its rows and warnings. runs/ sits above probes/,
+# so the caller hands it in (bench/runs/decay_runs.py); depth-decay measures with it.
+DepthRows = Callable[[list[int], int, int, int],
+                     Awaitable[tuple[list[dict[str, Any]], list[str]]]]
 
 
 @dataclass
@@ -24,6 +28,10 @@ class ProbeContext:
     max_model_len: int | None = None
     params: dict[str, Any] = field(default_factory=dict)  # checked by `params.check_params`
     progress: Progress = print
+    # The profile values a verdict names (bench/target.PROBE_KEYS: the attention backend, the KV
+    # dtype, the GPU); empty against a bare --url.
+    settings: dict[str, str] = field(default_factory=dict)
+    depth_rows: DepthRows | None = None
 
     def param(self, key: str, default: Any) -> Any:
         value = self.params.get(key)

@@ -15,6 +15,8 @@ made no tool call or the server exposes no prefix-cache counters).
                    (hits from /metrics counters, judged against the whole blocks reachable)
 * multi-image      several large images in one message are accepted and answered (the images are
                    drawn locally; nothing is downloaded)
+* depth-decay      decode t/s at depth 8K, 32K and 64K (capped by the window) as a share of the
+                   8K figure; fails below 50 % at the deepest (`probe_decay`)
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 from vllmstack.bench.client.client import RequestResult, chat_body
 from vllmstack.bench.probes.probe_base import THINKING_OFF, ProbeContext, message_text
 from vllmstack.bench.probes.probe_cache import probe_prefix_cache
+from vllmstack.bench.probes.probe_decay import probe_depth_decay
 from vllmstack.bench.probes.probe_stall import probe_itl_stall, stall_windows
 from vllmstack.bench.probes.verdict import FAIL, INFO, PASS, Verdict
 from vllmstack.bench.report.png import Canvas, text_width
@@ -239,6 +242,7 @@ PROBES: dict[str, Callable[[ProbeContext], Awaitable[Verdict]]] = {
     "thinkoff": probe_thinkoff,
     "prefix-cache": probe_prefix_cache,
     "multi-image": probe_multi_image,
+    "depth-decay": probe_depth_decay,
 }
 
 

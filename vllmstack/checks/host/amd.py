@@ -1,4 +1,5 @@
-"""AMD host checks: the kernel and gfx1151's CWSR fix, a masking amdgpu-dkms, device access.
+"""AMD host checks: the kernel and gfx1151's CWSR fix, a masking amdgpu-dkms, device access,
+the ROCm release against the known RDNA4 failures (`check_rocm`).
 
 Everything is read from sysfs, /dev and /etc under the view's root, so the fast subset that
 `up` runs starts no program; the full doctor adds `uname -r`, `modinfo amdgpu` and dpkg-query.
@@ -21,6 +22,7 @@ import re
 from dataclasses import dataclass
 
 from vllmstack.checks.host.model import FAIL, PASS, SKIP, WARN, HostCheck, HostView
+from vllmstack.checks.rdna4 import FIRST_FIXED_RCCL, avoids_ll
 from vllmstack.runtime import flavours
 
 KFD_NODES = "/sys/class/kfd/kfd/topology/nodes"
@@ -287,3 +289,48 @@ def check_devices(view: HostView, vendor: str, pins: dict[str, str], runtime: st
     return HostCheck("devices", title, PASS,
                      f"{user.name} can read and write them; {groups_text}; {render_text}",
                      data=data, guard=True)
+
+
+# --- the ROCm release against the known-bad list (issue 39) ------------------------------------
+
+ROCM_VERSION_FILE = "/opt/rocm/.info/version"
+# AMD's rocm/vllm RDNA image on this ROCm release page-faults on gfx1201's first request
+# (ROCm/legacy-rocm-build#6630).
+RDNA_PAGE_FAULT_ROCM = (7, 14)
+
+
+def check_rocm(view: HostView, vendor: str, arch: str, tensor_parallel: int,
+               nccl_proto: str) -> HostCheck:
+    """The host's ROCm release (the native runtime runs on it; a container brings its own) and
+    what the known RDNA4 failures say about it: RCCL's gfx12 LL deadlock at TP >= 2 (no release
+    has the fix yet) and the ROCm 7.14 RDNA page fault."""
+    title = "ROCm release"
+    if vendor != "amd":
+        return HostCheck("rocm", title, SKIP, "not an AMD platform")
+    text = (view.read(ROCM_VERSION_FILE) or "").strip()
+    version = version_tuple(text) if text else None
+    if version is None:
+        return HostCheck("rocm", title, SKIP, f"no host ROCm ({ROCM_VERSION_FILE} not readable): "
+                         "a container runtime brings the image's own")
+    data = {"version": text, "arch": arch}
+    release = f"ROCm {text}"
+    if arch.startswith("gfx120") and version[:2] == RDNA_PAGE_FAULT_ROCM:
+        return HostCheck("rocm", title, WARN,
+                         f"{release} on {arch}: AMD's RDNA build of this release page-faults "
+                         "([gfxhub] page fault) on the first request (ROCm/legacy-rocm-build#6630)",
+                         "use another ROCm release, or the stack's own image (invoke build)", data)
+    if arch.startswith("gfx12") and tensor_parallel >= 2 and rccl_lacks_fix(version):
+        if avoids_ll(nccl_proto):
+            return HostCheck("rocm", title, PASS,
+                             f"{release}: its RCCL has the gfx12 LL-protocol deadlock "
+                             f"(ROCm/rocm-systems#5480), avoided by NCCL_PROTO={nccl_proto}", data=data)
+        return HostCheck("rocm", title, WARN,
+                         f"{release}: its RCCL deadlocks at TP={tensor_parallel} on gfx12 in the "
+                         "LL protocol (ROCm/rocm-systems#5480, vllm-project/vllm#40980)",
+                         "set NCCL_PROTO=Simple in the platform layer", data)
+    return HostCheck("rocm", title, PASS, f"{release}: not on the known-bad list for {arch or 'this GPU'}",
+                     data=data)
+
+
+def rccl_lacks_fix(version: tuple[int, ...]) -> bool:
+    return FIRST_FIXED_RCCL is None or version[:2] < FIRST_FIXED_RCCL

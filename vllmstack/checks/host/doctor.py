@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from vllmstack.checks.context import pinned
-from vllmstack.checks.host.amd import check_cwsr, check_devices, check_dkms, check_kernel
+from vllmstack.checks.host.amd import check_cwsr, check_devices, check_dkms, check_kernel, check_rocm
 from vllmstack.checks.host.disk import check_disk
 from vllmstack.checks.host.gpus import check_gpus
 from vllmstack.checks.host.model import DoctorReport, HostCheck, HostView, NodeStat, UserIds, stat_node
@@ -66,6 +66,7 @@ def run_doctor(project: Project, resolved: Resolved, environ: Mapping[str, str],
         check_kernel(view, arch),
         check_cwsr(view, arch),
         check_dkms(view, vendor, fast=False),
+        check_rocm(view, vendor, arch, resolved.get_int("VLLM_TP"), resolved.get_raw("NCCL_PROTO")),
         check_devices(view, vendor, _gid_pins(resolved), choice.picked),
         check_runtimes(present, choice),
         check_docker(view, resolved, choice),
