@@ -114,6 +114,8 @@ def test_every_kind_is_named_by_the_schema_and_complete() -> None:
     typo = resolve(SHIPPED, model="tiny", platform="cpu", overrides=["ENGINE=vlm"], environ=ENVIRON)
     assert [p.key for p in typo.problems if p.severity == "error"] == ["ENGINE"]
     assert engine_kind(typo) is vllm.KIND
+    from vllmstack.runtime.native.command import native_placement  # the per-kind tables agree
+    assert native_placement(SHIPPED, typo, ENVIRON).program[0].endswith("/bin/vllm")
 
 
 def test_a_placement_changes_only_the_program_host_and_paths() -> None:

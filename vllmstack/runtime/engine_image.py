@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 from vllmstack.config.engines import llamacpp, vllm
 from vllmstack.config.engines.llamacpp import llamacpp_backend
-from vllmstack.config.engines.table import engine_kind, engine_of
+from vllmstack.config.engines.table import engine_kind
 from vllmstack.config.profiles import Resolved
 from vllmstack.core.findings import Finding
 from vllmstack.core.paths import Project
@@ -21,7 +21,7 @@ from vllmstack.image.llamacpp_image import REF_LABEL as LLAMACPP_REF_LABEL
 
 def missing_image_fix(resolved: Resolved, image: str, engine_cli: str) -> str:
     """How to get the image: the stack builds its own (no registry needed), others are pulled."""
-    return MISSING_FIXES[engine_of(resolved)](resolved, image, engine_cli)
+    return MISSING_FIXES[engine_kind(resolved).name](resolved, image, engine_cli)
 
 
 def _llamacpp_missing_fix(resolved: Resolved, image: str, engine_cli: str) -> str:
@@ -60,7 +60,7 @@ def image_label_problems(project: Project, resolved: Resolved, labels: Mapping[s
                          ) -> tuple[tuple[str, str] | None, list[Finding]]:
     """What the engine image's labels say against the profile: (cause, fix) that stops `up`, and
     findings to print (`labels` None: the image is not there to read)."""
-    return LABEL_PROBLEMS[engine_of(resolved)](project, resolved, labels)
+    return LABEL_PROBLEMS[engine_kind(resolved).name](project, resolved, labels)
 
 
 def _vllm_label_problems(project: Project, resolved: Resolved, labels: Mapping[str, str] | None,

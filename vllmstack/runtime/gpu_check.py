@@ -24,7 +24,7 @@ from typing import Any
 
 from vllmstack.config.engines import llamacpp, vllm
 from vllmstack.config.engines.llamacpp import llamacpp_backend
-from vllmstack.config.engines.table import engine_of
+from vllmstack.config.engines.table import engine_kind
 from vllmstack.config.profiles import Resolved
 from vllmstack.config.schema import load_schema
 from vllmstack.core.errors import StackError
@@ -345,7 +345,7 @@ def gpu_check(project: Project, resolved: Resolved, runner: Runner, *, runtime: 
     native: `python` or the install-engine environment's Python, with the profile's engine
     variables; compose: inside the running engine container (`engine`), the image's Python."""
     vendor = resolved.get_str("GPU_VENDOR") or "none"
-    probe = PROBES[engine_of(resolved)]
+    probe = PROBES[engine_kind(resolved).name]
     return probe(project, resolved, runner, runtime=runtime, engine=engine, environ=environ,
                  vendor=vendor, python=python)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from vllmstack.config.engines import llamacpp, vllm
 from vllmstack.config.engines.kind import Placement
 from vllmstack.config.engines.llamacpp import llamacpp_backend
-from vllmstack.config.engines.table import engine_kind, engine_of
+from vllmstack.config.engines.table import engine_kind
 from vllmstack.config.profiles import Resolved
 from vllmstack.config.schema import load_schema
 from vllmstack.config.vllm_args import ArgvError, ServeCommand
@@ -71,7 +71,7 @@ def native_placement(project: Project, resolved: Resolved, environ: Mapping[str,
     binds 0.0.0.0 and publishes VLLM_BIND), reads the checkout's chat templates and MODELS_DIR
     where they are, and starts its environment's executable (or NATIVE_ENGINE_COMMAND /
     LLAMACPP_SERVER). `check`, `up` and the start all build the argv from this one placement."""
-    return PLACEMENTS[engine_of(resolved)](project, resolved, environ)
+    return PLACEMENTS[engine_kind(resolved).name](project, resolved, environ)
 
 
 def _vllm_placement(project: Project, resolved: Resolved, environ: Mapping[str, str]) -> Placement:
@@ -124,7 +124,7 @@ def native_serve_command(project: Project, resolved: Resolved, environ: Mapping[
     """The native engine's argv and environment. `command`: the argv `check` built for the
     native placement (`up` passes it, so what runs is what it recorded); `folder`: the engine's
     own folder (default generated/native), which holds its sockets."""
-    return COMMANDS[engine_of(resolved)](project, resolved, environ, folder,
+    return COMMANDS[engine_kind(resolved).name](project, resolved, environ, folder,
                                          _placed_argv(project, resolved, environ, command))
 
 
