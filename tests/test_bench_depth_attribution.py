@@ -29,8 +29,9 @@ def test_the_servers_own_per_request_count_wins() -> None:
 
 def test_pp_is_never_negative_or_from_nothing() -> None:
     overhead = Overhead(ttft_s=0.02, prompt_tokens=16)
-    assert pp_estimate(overhead, [(-500, 0.1)])["pp_tps"] is None
-    assert pp_estimate(overhead, [(0, 0.1)])["pp_tps"] is None
-    assert pp_estimate(None, [(2016, 0.12)])["pp_tps"] is None
-    one = pp_estimate(overhead, [(2016, 0.12)])["pp_tps"]
-    assert one["mean"] == pytest.approx(2000 / 0.1) and one["min"] == one["max"]
+    assert pp_estimate(overhead, [(-500, 0.1)]).pp_tps is None
+    assert pp_estimate(overhead, [(0, 0.1)]).pp_tps is None
+    assert pp_estimate(None, [(2016, 0.12)]).pp_tps is None
+    one = pp_estimate(overhead, [(2016, 0.12)]).pp_tps
+    assert one is not None
+    assert one.mean == pytest.approx(2000 / 0.1) and one.min == one.max

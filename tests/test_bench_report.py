@@ -74,8 +74,11 @@ def test_malformed_record_is_skipped_with_a_warning(tmp_path: Path) -> None:
     assert "2 malformed record(s) in bench_history.jsonl skipped" in text
     assert any("bench record bad-results: TypeError: results is not a list" in w
                for w in warnings)
-    assert any("bench record bad-stat: ValueError" in w for w in warnings)
-    assert any("depth record no-depth: KeyError" in w for w in warnings)
+    # The typed row names the record, the row and the key that is wrong.
+    assert any("bench record bad-stat, row 1: key 'ttft_ms.mean' holds str 'fast', not a number"
+               in w and "bench_history.jsonl" in w for w in warnings)
+    assert any("depth record no-depth, row 1: a depth row without the key 'depth'" in w
+               for w in warnings)
     assert charts == [tmp_path / "charts" / "bench.png"]  # the good records still chart
 
 

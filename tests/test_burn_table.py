@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from vllmstack.bench.client.client import RequestResult
+from vllmstack.bench.client.row import Stat
 from vllmstack.bench.fleet.burn import render, summarize_runs, table_row, unstable, write_markdown
 
 
@@ -18,9 +19,9 @@ def run(tps: float, tokens: int = 100, ttft_s: float = 0.05, error: str | None =
 
 
 def test_a_spread_over_ten_percent_of_the_mean_is_unstable() -> None:
-    assert not unstable({"mean": 100.0, "std": 10.0})  # exactly 10 %: not over
-    assert unstable({"mean": 100.0, "std": 10.5})
-    assert not unstable(None) and not unstable({"mean": 0.0, "std": 1.0})
+    assert not unstable(Stat(mean=100.0, std=10.0))  # exactly 10 %: not over
+    assert unstable(Stat(mean=100.0, std=10.5))
+    assert not unstable(None) and not unstable(Stat(mean=0.0, std=1.0))
     steady = summarize_runs([run(100), run(101), run(99)])
     assert steady["status"] == "PASS" and steady["unstable"] is False
     shaky = summarize_runs([run(60), run(100), run(140)])

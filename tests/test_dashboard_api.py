@@ -17,6 +17,7 @@ import pytest
 from fastapi.testclient import TestClient
 from helpers import free_port
 
+from vllmstack.bench.client.row import ROW_VERSION
 from vllmstack.bench.report import history
 from vllmstack.core.paths import Project
 from vllmstack.dashboard.__main__ import main, parse_settings
@@ -440,6 +441,24 @@ def test_history_kinds_are_separate(client: TestClient, tmp_path: Path) -> None:
     add_records(tmp_path / "hist", "depth", 2)
     assert len(client.get("/api/history/depth").json()["records"]) == 2
     assert client.get("/api/history/conc").json()["records"] == []
+
+
+def test_history_rows_are_typed_and_a_newer_row_is_marked(client: TestClient, tmp_path: Path) -> None:
+    path = history.history_path(tmp_path / "hist", "conc")
+    old = history.append_record(path, {"model": "tiny", "results": [
+        {"pp": 64, "tg": 8, "depth": 0, "concurrency": 2, "total_tg_tps": 90.0}]})
+    newer = history.append_record(path, {"model": "tiny", "results": [
+        {"concurrency": 2, "total_tg_tps": "fast", "row_version": ROW_VERSION + 1}]})
+    first, second = client.get("/api/history/conc").json()["records"]
+    # An old row goes out as BenchRow writes it: every key a row always has, missing ones null.
+    (row,) = first["results"]
+    assert row["total_tg_tps"] == 90.0 and row["tg_tps"] is None and row["pp_note"] is None
+    assert row["row_version"] == ROW_VERSION and "_unread" not in first
+    # A row this checkout cannot read goes out as stored, with the reason the page shows.
+    assert second["results"] == newer["results"]
+    assert second["_unread"].startswith(f"conc_history.jsonl record {newer['id']}, row 1: the row "
+                                        f"is of row_version {ROW_VERSION + 1}")
+    assert old["id"] == first["id"]
 
 
 # --- auth ----------------------------------------------------------------------------------

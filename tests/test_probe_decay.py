@@ -19,6 +19,7 @@ from helpers import bench_cli as cli
 from simulator.fixture import run_simulator
 
 from vllmstack.bench.client.client import ChatClient, EndpointError
+from vllmstack.bench.client.row import BenchRow, Stat
 from vllmstack.bench.probes.params import ParamError, check_params
 from vllmstack.bench.probes.probe_base import ProbeContext
 from vllmstack.bench.probes.probe_decay import (
@@ -132,10 +133,11 @@ def run_with_rates(rates: dict[int, float | None], window: int = 131072,
     asked: list[tuple[list[int], int, int, int]] = []
 
     async def rows(depths: list[int], pp: int, tg: int,
-                   runs: int) -> tuple[list[dict[str, Any]], list[str]]:
+                   runs: int) -> tuple[list[BenchRow], list[str]]:
         asked.append((depths, pp, tg, runs))
-        return [{"depth": d, "mode": "two-phase", "errors": 0,
-                 "tg_tps": None if rates[d] is None else {"mean": rates[d]}} for d in depths], []
+        return [BenchRow(depth=d, mode="two-phase", errors=0,
+                         tg_tps=None if (rate := rates[d]) is None else Stat(mean=rate))
+                for d in depths], []
 
     ctx = ProbeContext(cast(ChatClient, NoMetrics()), "m", None, None, window,
                        check_params("depth-decay", params), lambda _line: None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from vllmstack.bench.client.row import BenchRow
 from vllmstack.bench.report import roofline
 from vllmstack.bench.report.report import render_markdown
 from vllmstack.config.modelinfo import GIB, MIB, ModelFacts
@@ -23,15 +24,16 @@ def test_decode_is_bandwidth_over_the_bytes_one_token_reads() -> None:
     inputs = roofline.compute_inputs(dense_facts(), 1, "NVIDIA_H200", "auto")
     kv = 36 * 8 * 128 * 2 * 2  # layers x KV heads x head_dim x (K, V) x bf16
     assert inputs.kv_bytes_per_token_per_gpu == kv
-    row = {"pp": 2048, "tg": 128, "tg_tps": {"mean": 100.0}, "pp_tps": {"mean": 20000.0}}
+    row = BenchRow.from_json({"pp": 2048, "tg": 128, "tg_tps": {"mean": 100.0},
+                              "pp_tps": {"mean": 20000.0}}, "test")
     roof = roofline.row_roofline(row, vars(inputs))
     assert roof is not None
     limit = 4800e9 / (15 * GIB + kv * (2048 + 64))
-    assert roof["decode_limit_tps"] == pytest.approx(limit, abs=0.1)
-    assert roof["decode_pct"] == pytest.approx(100 * 100 / limit, abs=0.1)
+    assert roof.decode_limit_tps == pytest.approx(limit, abs=0.1)
+    assert roof.decode_pct == pytest.approx(100 * 100 / limit, abs=0.1)
     # Prefill: 2 FLOPs per bf16 parameter plus attention at the mean context, against BF16 peak.
     flops = 2 * 15 * GIB / 2 + 4 * 36 * 32 * 128 * 1024
-    assert roof["prefill_limit_tps"] == pytest.approx(989e12 / flops, rel=1e-3)
+    assert roof.prefill_limit_tps == pytest.approx(989e12 / flops, rel=1e-3)
 
 
 def test_tensor_parallel_splits_the_bytes_and_a_hybrid_adds_its_state() -> None:
@@ -59,10 +61,11 @@ def test_unknown_cards_and_cpus_say_so(project: Project) -> None:
     cpu = resolve(project, model="tiny", platform="cpu")
     assert roofline.inputs_from_profile(cpu, ENV) is None
     inputs = roofline.compute_inputs(dense_facts(), 1, "NVIDIA_A10G", "auto")
-    roof = roofline.row_roofline({"pp": 512, "tg": 32, "tg_tps": {"mean": 5.0}}, vars(inputs))
-    assert roof == {"card": None, "note": "unknown card NVIDIA_A10G"}
-    assert roofline.cell({"roofline": roof}) == "unknown card NVIDIA_A10G"
-    assert "CARDS" in (roofline.progress_line({"roofline": roof}, "pp512 tg32") or "")
+    row = BenchRow.from_json({"pp": 512, "tg": 32, "tg_tps": {"mean": 5.0}}, "test")
+    roof = roofline.row_roofline(row, vars(inputs))
+    assert roof is not None and roof.to_json() == {"card": None, "note": "unknown card NVIDIA_A10G"}
+    assert roofline.cell(BenchRow(roofline=roof)) == "unknown card NVIDIA_A10G"
+    assert "CARDS" in (roofline.progress_line(BenchRow(roofline=roof), "pp512 tg32") or "")
 
 
 def test_every_card_cites_its_numbers() -> None:
@@ -78,6 +81,6 @@ def test_the_report_shows_the_rows_share() -> None:
                         "decode_limit_tps": 218.0, "prefill_limit_tps": 32000.0}}
     text = render_markdown("bench", [{"ts": 1.8e9, "model": "m", "profile": "p", "results": [row]}])
     assert "| % roofline |" in text and "| tg 41% / pp 28% |" in text
-    line = roofline.progress_line(row, "pp2048 tg32")
+    line = roofline.progress_line(BenchRow.from_json(row, "test"), "pp2048 tg32")
     assert line == ("pp2048 tg32: roofline on NVIDIA_H200: decode 41.26% of 218 t/s (memory bandwidth) "
                     "prefill 28.0% of 32000 t/s (compute)")

@@ -260,7 +260,8 @@ def test_the_clear_caches_task_takes_store(tmp_path: Path) -> None:
     root = copy_project(tmp_path / "stack")
     Store(tmp_path / "store").ensure(KEY, build_tree([]), files=["data.bin"])
     env = {**os.environ, STORE_VAR: str(tmp_path / "store"), "HOME": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-m", "invoke", "clear-caches", "--store"], cwd=root, env=env,
+    done = subprocess.run([sys.executable, "-m", "invoke", "clear-caches", "--store",
+                           "--runtime", "native"], cwd=root, env=env,
                           capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     assert f"build store {tmp_path / 'store'}: freed 1021 B" in done.stdout

@@ -16,6 +16,7 @@ import os
 import sys
 from pathlib import Path
 
+from vllmstack.bench.client.row import rows_of
 from vllmstack.bench.report import roofline
 from vllmstack.config.profiles import resolve
 from vllmstack.core.paths import Project
@@ -35,8 +36,9 @@ def main(models: str, device: str, runs: list[str]) -> None:
                            overrides=overrides, environ={"HOME": os.environ.get("HOME", "/")})
         inputs = roofline.inputs_from_profile(resolved, {"HOME": "/nonexistent"})
         record = json.loads((run / "bench_c1.json").read_text())
-        for row in record["results"]:
-            roof = roofline.row_roofline(row, inputs) or {}
+        for row, typed in zip(record["results"], rows_of(record, str(run)), strict=True):
+            shares = roofline.row_roofline(typed, inputs)
+            roof = shares.to_json() if shares else {}
             tg = row.get("tg_tps", {}).get("mean")
             pp = (row.get("pp_tps") or {}).get("mean")
             print(f"| {run.name} | {settings['MODEL_PROFILE']} | {settings['PLATFORM']} | {row['pp']} | "

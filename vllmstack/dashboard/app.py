@@ -43,6 +43,7 @@ from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, Field
 
+from vllmstack.bench.client.row import ROW_KINDS, RowError, rows_of
 from vllmstack.bench.report import history
 from vllmstack.core import access
 from vllmstack.core.errors import StackError
@@ -151,6 +152,19 @@ def _shorten(record: dict[str, Any]) -> dict[str, Any]:
     if cut:
         out["_truncated"] = cut
     return out
+
+
+def _typed_rows(kind: str, record: dict[str, Any], where: str) -> dict[str, Any]:
+    """The record with its bench rows as `BenchRow` writes them (every field's key, old rows
+    included). A row this checkout cannot read (a newer row version, a key of the wrong type) is
+    not guessed at: the record goes out as stored, with `_unread` saying why."""
+    if kind not in ROW_KINDS:
+        return record
+    try:
+        rows = rows_of(record, where)
+    except RowError as exc:
+        return {**record, "_unread": exc.cause}
+    return {**record, "results": [row.to_json() for row in rows]}
 
 
 def _file_tag(path: Path) -> str:
@@ -423,8 +437,13 @@ def create_app(
         tag = _file_tag(path)
         if request.headers.get("if-none-match") == tag:
             return Response(status_code=304, headers={"ETag": tag})
-        records = await asyncio.to_thread(history.read_records, path, include_rotated=True)
-        body = {"kind": kind, "records": [_clean(_shorten(r)) for r in records]}
+        def listing() -> list[dict[str, Any]]:
+            records = history.read_records(path, include_rotated=True)
+            return [_clean(_shorten(_typed_rows(kind, r, f"{path.name} record "
+                                                         f"{r.get('id', f'#{n}')}")))
+                    for n, r in enumerate(records, start=1)]
+
+        body = {"kind": kind, "records": await asyncio.to_thread(listing)}
         return JSONResponse(body, headers={"ETag": tag})
 
     def find_record(path: Path, record_id: str) -> dict[str, Any]:

@@ -4,6 +4,7 @@
   stream.py  the per-request measurements (`RequestResult`) and the SSE parser that fills them
   client.py  `ChatClient` (one pooled connection set), the request bodies, the endpoint errors
   stats.py   summaries of timing samples: mean, spread, percentiles
+  row.py     `BenchRow`: the typed, versioned row every run builds and every reader reads
 
 The bottom of bench: imports nothing else of it.
 """

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from vllmstack.bench.client.client import ChatClient, RequestResult, chat_body
-from vllmstack.bench.client.stats import summarize
+from vllmstack.bench.client.row import Stat
 from vllmstack.bench.fleet.resident import (
     ResidentResult,
     append_text,
@@ -68,11 +68,11 @@ class BurnResult(ResidentResult):
         return any(row["status"] != "PASS" for row in self.rows)
 
 
-def unstable(stat: Mapping[str, Any] | None) -> bool:
+def unstable(stat: Stat | None) -> bool:
     """std over 10 % of the mean (a spread that large says the numbers are not one speed)."""
-    if not stat or not isinstance(stat.get("mean"), int | float) or stat["mean"] <= 0:
+    if stat is None or not stat.mean > 0:
         return False
-    return float(stat.get("std") or 0.0) > UNSTABLE_SPREAD * float(stat["mean"])
+    return (stat.std or 0.0) > UNSTABLE_SPREAD * stat.mean
 
 
 def select_profiles(project: Project, environ: Mapping[str, str], platform: str | None,
@@ -207,11 +207,13 @@ async def _runs(target: Target, *, runs: int, warmup: int, max_tokens: int, time
 def summarize_runs(results: Sequence[RequestResult]) -> dict[str, Any]:
     """PASS when every measured run gave a decode rate; the row's numbers either way."""
     good = [r for r in results if r.ok and r.decode_tps is not None]
-    tps = summarize([r.decode_tps for r in good if r.decode_tps is not None])
-    ttft = summarize([r.ttft_s * 1000 for r in good if r.ttft_s is not None])
+    tps = Stat.of(r.decode_tps for r in good if r.decode_tps is not None)
+    ttft = Stat.of(r.ttft_s * 1000 for r in good if r.ttft_s is not None)
     failed = [r for r in results if not (r.ok and r.decode_tps is not None)]
-    out: dict[str, Any] = {"status": "PASS" if not failed else "FAIL", "tps": tps,
-                           "ttft_ms": ttft, "unstable": unstable(tps), "runs": len(results),
+    out: dict[str, Any] = {"status": "PASS" if not failed else "FAIL",
+                           "tps": tps.to_json() if tps else None,
+                           "ttft_ms": ttft.to_json() if ttft else None,
+                           "unstable": unstable(tps), "runs": len(results),
                            "server_timings": server_timings(results),
                            "tokens": [r.tokens for r in results]}
     if failed:
@@ -223,14 +225,18 @@ def summarize_runs(results: Sequence[RequestResult]) -> dict[str, Any]:
 # --- markdown -------------------------------------------------------------------------------------
 
 
-def _num(stat: Any, key: str, fmt: str = ".1f") -> str:
-    if isinstance(stat, dict) and isinstance(stat.get(key), int | float):
-        return format(stat[key], fmt)
-    return "-"
+def _num(stat: Stat | None, key: str, fmt: str = ".1f") -> str:
+    value = getattr(stat, key) if stat is not None else None
+    return "-" if value is None else format(value, fmt)
+
+
+def _stat(row: Mapping[str, Any], key: str) -> Stat | None:
+    data = row.get(key)
+    return None if data is None else Stat.read_json(data, f"burn row {row.get('profile')}", key)
 
 
 def table_row(row: Mapping[str, Any]) -> list[str]:
-    tps = row.get("tps")
+    tps = _stat(row, "tps")
     spread = f"{_num(tps, 'mean')} ± {_num(tps, 'std')}" if tps else "-"
     if row.get("unstable"):
         spread += " unstable"
@@ -246,7 +252,7 @@ def table_row(row: Mapping[str, Any]) -> list[str]:
             warm = f"{load:.1f}"
     engine = row.get("engine")
     return [str(row.get("profile")), display_name(str(engine)) if engine else "-", status, spread,
-            _num(tps, "min"), _num(tps, "max"), _num(row.get("ttft_ms"), "mean"), cold, warm]
+            _num(tps, "min"), _num(tps, "max"), _num(_stat(row, "ttft_ms"), "mean"), cold, warm]
 
 
 def render(record: Mapping[str, Any]) -> str:

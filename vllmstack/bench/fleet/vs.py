@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from vllmstack.bench.client.client import ChatClient, EndpointError
+from vllmstack.bench.client.row import BenchRow, mean_of
 from vllmstack.bench.fleet.resident import (
     CollectingSession,
     ResidentResult,
@@ -300,9 +301,9 @@ async def _measure(started: Started, vt: VsTarget, target: Target, tokenizer_pat
             ctx_row, ctx_results = await _one_shape(session, base, ctx, opts.tg)
             progress(f"{opts.concurrency} streams for {opts.duration_s:g} s")
             conc = await run_conc_level(session, opts.concurrency, pp, opts.tg)
-    errors = sum(int(r.get("errors") or 0) for r in (single, ctx_row, conc))
-    answered = any(isinstance((r.get("tg_tps") or {}).get("mean"), int | float)
-                   for r in (single, ctx_row)) or bool(conc.get("total_tg_tps"))
+    errors = sum(r.errors or 0 for r in (single, ctx_row, conc))
+    answered = any(mean_of(r.tg_tps) is not None for r in (single, ctx_row)) \
+        or bool(conc.total_tg_tps)
     measured: dict[str, Any] = {
         # Some failed requests among many that answered (a random-weight model can trip
         # llama-server's chat-output parser) leave the numbers standing, marked "partial".
@@ -311,7 +312,7 @@ async def _measure(started: Started, vt: VsTarget, target: Target, tokenizer_pat
                       if errors and session.failures else None),
         "window": window, "slots": slots, "pp": pp, "tg": opts.tg, "ctx_tokens": ctx,
         "overhead": asdict(session.overhead) if session.overhead else None,
-        "single": single, "ctx": ctx_row, "conc": conc,
+        "single": single.to_json(), "ctx": ctx_row.to_json(), "conc": conc.to_json(),
         "timings": {"single": server_timings(single_results), "ctx": server_timings(ctx_results)},
         "vram": vram.record(started.baseline_bytes),
         "notes": notes, "warnings": session.warnings, "failures": session.failures[:10],
@@ -333,7 +334,7 @@ async def _llamacpp_limits(client: ChatClient) -> tuple[int | None, int | None]:
 
 
 async def _one_shape(session: CollectingSession, base: RunOptions, pp: int, tg: int
-                     ) -> tuple[dict[str, Any], list[Any]]:
+                     ) -> tuple[BenchRow, list[Any]]:
     """`invoke bench` for one pp/tg cell (a warm-up, then the runs); its row and its results."""
     session.options = replace(base, pp=[pp], tg=[tg])
     session.collected = []

@@ -21,6 +21,7 @@ from typing import Any
 
 from gguf import LlamaFileType
 
+from vllmstack.bench.client.row import BenchRow, Stat, mean_of
 from vllmstack.bench.fleet.resident import append_text, md_table, one_line, stamp, vram_text
 from vllmstack.checks.gguf_header import GgufError, open_header
 from vllmstack.checks.gguf_header import shown as quoted
@@ -161,10 +162,9 @@ def assign_pairs(rows: list[dict[str, Any]]) -> None:
 # --- markdown -------------------------------------------------------------------------------------
 
 
-def _mean(stat: Any, fmt: str) -> str | None:
-    if isinstance(stat, dict) and isinstance(stat.get("mean"), int | float):
-        return format(stat["mean"], fmt)
-    return None
+def _mean(stat: Stat | None, fmt: str) -> str | None:
+    value = mean_of(stat)
+    return None if value is None else format(value, fmt)
 
 
 def _with_server(ours: str | None, timings: Any, key: str) -> str:
@@ -175,16 +175,26 @@ def _with_server(ours: str | None, timings: Any, key: str) -> str:
     return text
 
 
-def _prefill(row: Mapping[str, Any]) -> str:
+def _prefill(row: BenchRow | None) -> str:
     """pp t/s ± its uncertainty (the bench's estimate), or why there is none."""
-    stat = row.get("pp_tps")
-    if isinstance(stat, dict) and isinstance(stat.get("mean"), int | float):
-        mean, std = float(stat["mean"]), float(stat.get("std") or 0.0)
+    if row is None:
+        return "-"
+    mean = mean_of(row.pp_tps)
+    if row.pp_tps is not None and mean is not None:
+        std = row.pp_tps.std or 0.0
         if mean >= 10000:  # one unit for both, so the spread reads against the number
             return f"{mean / 1000:.1f}k ± " + (f"{std / 1000:.1f}k" if std >= 1000 else f"{std:.0f}")
         return f"{mean:.0f} ± {std:.0f}"
-    note = row.get("pp_note")
-    return str(note) if note else "-"
+    return row.pp_note or "-"
+
+
+def shape_row(row: Mapping[str, Any], key: str) -> BenchRow | None:
+    """A target's measured shape ("single", "ctx", "conc") as a BenchRow; None when it was not
+    measured (the target failed first)."""
+    data = row.get(key)
+    if not data:
+        return None
+    return BenchRow.from_json(data, f"bench-vs row {row.get('target')}, key {key!r}")
 
 
 def table_row(row: Mapping[str, Any]) -> list[str]:
@@ -198,23 +208,23 @@ def table_row(row: Mapping[str, Any]) -> list[str]:
         return [first, str(row.get("spec_draft", "-")), f"{state}: {why}", "-", "-", "-", "-",
                 vram_text(row.get("vram")) if row.get("vram") else "-", load_text,
                 str(row.get("pair_kind", "-"))]
-    single = row.get("single") or {}
-    ctx = row.get("ctx") or {}
-    conc = row.get("conc") or {}
+    single = shape_row(row, "single")
+    ctx = shape_row(row, "ctx")
+    conc = shape_row(row, "conc")
     timings = row.get("timings") or {}
-    prefill_row = ctx if ctx else single
-    prefill_timings = timings.get("ctx") if ctx else timings.get("single")
-    total = conc.get("total_tg_tps")
+    prefill_row = ctx if ctx is not None else single
+    prefill_timings = timings.get("ctx") if ctx is not None else timings.get("single")
+    total = conc.total_tg_tps if conc is not None else None
     return [
         first,
         str(row.get("spec_draft", "-")),
-        _with_server(_mean(single.get("tg_tps"), ".1f"), timings.get("single"),
+        _with_server(_mean(single.tg_tps, ".1f") if single else None, timings.get("single"),
                      "predicted_per_second"),
         _with_server(_prefill(prefill_row), prefill_timings, "prompt_per_second"),
-        _mean(single.get("ttft_ms"), ".1f") or "-",
-        (_with_server(_mean(ctx.get("tg_tps"), ".1f"), timings.get("ctx"), "predicted_per_second")
-         + f" @{row.get('ctx_tokens')}") if ctx else "-",
-        f"{total:.1f}" if isinstance(total, int | float) else "-",
+        (_mean(single.ttft_ms, ".1f") if single else None) or "-",
+        (_with_server(_mean(ctx.tg_tps, ".1f"), timings.get("ctx"), "predicted_per_second")
+         + f" @{row.get('ctx_tokens')}") if ctx is not None else "-",
+        f"{total:.1f}" if total is not None else "-",
         vram_text(row.get("vram")),
         load_text,
         str(row.get("pair_kind", "-")),

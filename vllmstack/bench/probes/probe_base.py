@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllmstack.bench.client.client import ChatClient, EndpointError
+from vllmstack.bench.client.row import BenchRow
 from vllmstack.observe.metrics import MetricsError, MetricsSnapshot, parse_metrics
 from vllmstack.workload.prompts import PromptBuilder
 
@@ -15,8 +16,7 @@ Progress = Callable[[str], None]
 THINKING_OFF = {"chat_template_kwargs": {"enable_thinking": False}}
 # bench-depth's run over (depths, pp, tg, runs): its rows and warnings. runs/ sits above probes/,
 # so the caller hands it in (bench/runs/decay_runs.py); depth-decay measures with it.
-DepthRows = Callable[[list[int], int, int, int],
-                     Awaitable[tuple[list[dict[str, Any]], list[str]]]]
+DepthRows = Callable[[list[int], int, int, int], Awaitable[tuple[list[BenchRow], list[str]]]]
 
 
 @dataclass

@@ -21,8 +21,8 @@ the server's `vllm:cache_config_info`, else the profile.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
+from vllmstack.bench.client.row import BenchRow, mean_of
 from vllmstack.bench.probes.probe_base import ProbeContext
 from vllmstack.bench.probes.verdict import INFO, Verdict
 from vllmstack.workload.ladders import DEFAULT_MARGIN, depth_cap
@@ -75,14 +75,12 @@ def label_depth(depth: int) -> str:
     return f"{depth // 1024}K" if depth % 1024 == 0 else str(depth)
 
 
-def read_rates(rows: list[dict[str, Any]]) -> dict[int, float | None]:
+def read_rates(rows: list[BenchRow]) -> dict[int, float | None]:
     """Mean decode t/s per depth of bench-depth's rows (None where no request had a rate)."""
     rates: dict[int, float | None] = {}
     for row in rows:
-        stat = row.get("tg_tps")
-        mean = stat.get("mean") if isinstance(stat, dict) else None
-        rates[int(row["depth"])] = float(mean) if isinstance(mean, int | float) and mean > 0 \
-            else None
+        mean = mean_of(row.tg_tps)
+        rates[row.depth or 0] = mean if mean is not None and mean > 0 else None
     return rates
 
 
@@ -166,7 +164,7 @@ async def probe_depth_decay(ctx: ProbeContext) -> Verdict:
     rows, warnings = await ctx.depth_rows(list(depths), pp, tg, int(ctx.param("runs", 2)))
     rates = read_rates(rows)
     shares = compute_shares(rates, depths)
-    modes = {int(r["depth"]): str(r.get("mode") or "") for r in rows}
+    modes = {r.depth or 0: r.mode or "" for r in rows}
     for depth in depths:
         rate, share = rates.get(depth), shares.get(depth)
         value = (f"{rate:.1f} t/s" + (f" ({share:.0%} of {label_depth(depths[0])})"
@@ -186,7 +184,7 @@ async def probe_depth_decay(ctx: ProbeContext) -> Verdict:
     share = shares.get(deepest)
     if share is None:
         why = next((w for w in warnings if "burst" in w), None) or (
-            f"{sum(int(r.get('errors') or 0) for r in rows)} request(s) failed")
+            f"{sum(r.errors or 0 for r in rows)} request(s) failed")
         return v.inconclusive(f"no decode rate at {label_depth(depths[0])} or "
                               f"{label_depth(deepest)}: {why[:300]}")
     ok = share >= min_share

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from vllmstack.bench.client.row import BenchRow, RowError, Stat, mean_of
 from vllmstack.bench.report import history, roofline
 from vllmstack.bench.report.png import GLYPH_H, Canvas, Color, text_width
 
@@ -28,29 +29,27 @@ def _when(record: dict[str, Any]) -> str:
     return dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M")
 
 
-def _mean(row: dict[str, Any], key: str, fmt: str = ".1f") -> str:
-    s = row.get(key)
-    return format(s["mean"], fmt) if isinstance(s, dict) and "mean" in s else "-"
+def _mean(stat: Stat | None, fmt: str = ".1f") -> str:
+    value = mean_of(stat)
+    return "-" if value is None else format(value, fmt)
 
 
-def _pct(row: dict[str, Any], key: str, q: str, fmt: str = ".1f") -> str:
-    s = row.get(key)
-    return format(s[q], fmt) if isinstance(s, dict) and q in s else "-"
+def _pct(stat: Stat | None, q: str, fmt: str = ".1f") -> str:
+    value = getattr(stat, q) if stat is not None else None
+    return "-" if value is None else format(value, fmt)
 
 
-def _spread(row: dict[str, Any], key: str, fmt: str = ".1f") -> str:
-    s = row.get(key)
-    if not isinstance(s, dict) or "mean" not in s:
+def _spread(stat: Stat | None, fmt: str = ".1f") -> str:
+    if mean_of(stat) is None or stat is None:
         return "-"
-    return f"{format(s['mean'], fmt)} ± {format(s.get('std', 0.0), fmt)}"
+    return f"{format(stat.mean, fmt)} ± {format(stat.std or 0.0, fmt)}"
 
 
-def _pp(row: dict[str, Any], mean_only: bool = False) -> str:
+def _pp(row: BenchRow, mean_only: bool = False) -> str:
     """pp t/s with its uncertainty, or why there is no number ("below resolution")."""
-    if isinstance(row.get("pp_tps"), dict):
-        return _mean(row, "pp_tps", ".0f") if mean_only else _spread(row, "pp_tps", ".0f")
-    note = row.get("pp_note")
-    return str(note) if note else "-"
+    if row.pp_tps is not None:
+        return _mean(row.pp_tps, ".0f") if mean_only else _spread(row.pp_tps, ".0f")
+    return row.pp_note or "-"
 
 
 def short_tokens(n: int) -> str:
@@ -67,41 +66,48 @@ def _table(header: Sequence[str], rows: list[list[str]]) -> str:
     return "\n".join(out)
 
 
-def _results(rec: dict[str, Any]) -> list[dict[str, Any]]:
+def _results(rec: dict[str, Any], where: str) -> list[BenchRow]:
     rows = rec.get("results", [])
     if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
         raise TypeError("results is not a list of objects")
-    return rows
+    return [BenchRow.from_json(row, f"{where}, row {n}") for n, row in enumerate(rows, start=1)]
 
 
-def record_rows(kind: str, rec: dict[str, Any]) -> list[list[str]]:
-    """The table rows of one record; raises (KeyError, TypeError, ValueError) when malformed."""
+def _depth(row: BenchRow, where: str) -> int:
+    if row.depth is None:
+        raise RowError(f"{where}: a depth row without the key 'depth'",
+                       "correct or delete the record: a depth row says which depth it measured")
+    return row.depth
+
+
+def record_rows(kind: str, rec: dict[str, Any], where: str | None = None) -> list[list[str]]:
+    """The table rows of one record; raises (TypeError, ValueError: RowError naming the key)
+    when malformed. `where` names the record in that error."""
+    where = where or f"{kind} record"
     rows: list[list[str]] = []
     if kind == "bench":
-        for row in _results(rec):
+        for row in _results(rec, where):
             rows.append([_when(rec), str(rec.get("profile") or "-"), str(rec.get("model")),
-                         str(row.get("pp")), str(row.get("tg")), _spread(row, "ttft_ms"),
-                         _pp(row), _spread(row, "tg_tps", ".2f"),
-                         f"{_pct(row, 'itl_ms', 'p50', '.2f')}/"
-                         f"{_pct(row, 'itl_ms', 'p99', '.2f')}", roofline.cell(row),
-                         str(row.get("errors", 0))])
+                         str(row.pp), str(row.tg), _spread(row.ttft_ms), _pp(row),
+                         _spread(row.tg_tps, ".2f"),
+                         f"{_pct(row.itl_ms, 'p50', '.2f')}/{_pct(row.itl_ms, 'p99', '.2f')}",
+                         roofline.cell(row), str(row.errors or 0)])
     elif kind == "depth":
-        for row in _results(rec):
-            ctx = row.get("ctx_pp_tps")
-            rows.append([_when(rec), str(rec.get("model")), short_tokens(int(row["depth"])),
-                         str(row.get("mode", "-")), _mean(row, "ttft_ms"), _pp(row, True),
-                         _mean(row, "ctx_pp_tps", ".0f") if isinstance(ctx, dict) else "-",
-                         _mean(row, "tg_tps", ".2f"), _pct(row, "itl_ms", "p99", ".2f")])
+        for n, row in enumerate(_results(rec, where), start=1):
+            rows.append([_when(rec), str(rec.get("model")),
+                         short_tokens(_depth(row, f"{where}, row {n}")),
+                         row.mode or "-", _mean(row.ttft_ms), _pp(row, True),
+                         _mean(row.ctx_pp_tps, ".0f"), _mean(row.tg_tps, ".2f"),
+                         _pct(row.itl_ms, "p99", ".2f")])
     elif kind == "conc":
-        for row in _results(rec):
-            total = row.get("total_tg_tps")
-            rows.append([_when(rec), str(rec.get("model")), str(row.get("concurrency")),
-                         f"{total:.1f}" if isinstance(total, (int, float)) else "-",
-                         _mean(row, "tg_tps", ".2f"),
-                         f"{_pct(row, 'ttft_ms', 'p50', '.0f')}/"
-                         f"{_pct(row, 'ttft_ms', 'p99', '.0f')}",
-                         _pct(row, "itl_ms", "p99", ".2f"), str(row.get("requests")),
-                         str(row.get("errors", 0))])
+        for row in _results(rec, where):
+            total = row.total_tg_tps
+            rows.append([_when(rec), str(rec.get("model")), str(row.concurrency),
+                         f"{total:.1f}" if total is not None else "-",
+                         _mean(row.tg_tps, ".2f"),
+                         f"{_pct(row.ttft_ms, 'p50', '.0f')}/{_pct(row.ttft_ms, 'p99', '.0f')}",
+                         _pct(row.itl_ms, "p99", ".2f"), str(row.requests),
+                         str(row.errors or 0)])
     else:  # probe, stability
         checks = rec.get("checks", [])
         if not isinstance(checks, list):
@@ -132,11 +138,14 @@ def render_markdown(kind: str, records: list[dict[str, Any]],
     rows: list[list[str]] = []
     shown = 0
     for number, rec in enumerate(records, start=1):
+        name = rec.get("id") if isinstance(rec.get("id"), str) else f"#{number}"
         try:
-            rows.extend(record_rows(kind, rec))
+            rows.extend(record_rows(kind, rec, f"{kind} record {name}"))
             shown += 1
+        except RowError as exc:  # names the record and the key itself
+            if skipped is not None:
+                skipped.append(exc.cause)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            name = rec.get("id") if isinstance(rec.get("id"), str) else f"#{number}"
             if skipped is not None:
                 skipped.append(f"{kind} record {name}: {exc.__class__.__name__}: {exc}")
     title = f"## {kind} history ({shown} record{'s' if shown != 1 else ''})"
@@ -150,15 +159,15 @@ def chart_series(kind: str, records: list[dict[str, Any]], last: int = 5
     """(x label, y label, [(series label, [(x, y)])]) for a kind; empty when nothing to plot."""
     series: list[tuple[str, list[tuple[float, float]]]] = []
     if kind in ("depth", "conc"):
-        x_key, y_key = ("depth", "tg_tps") if kind == "depth" else ("concurrency", "total_tg_tps")
         for rec in records[-last:]:
             points = []
             for row in _plottable(rec):
-                y = row.get(y_key)
-                y = y.get("mean") if isinstance(y, dict) else y
-                x = row.get(x_key)
-                if isinstance(y, (int, float)) and isinstance(x, (int, float)):
-                    points.append((float(x), float(y)))
+                if kind == "depth":
+                    x, y = row.depth, mean_of(row.tg_tps)
+                else:
+                    x, y = row.concurrency, row.total_tg_tps
+                if x is not None and y is not None and math.isfinite(y):
+                    points.append((float(x), y))
             if points:
                 series.append((f"{_when(rec)} {rec.get('model')}", sorted(points)))
         if kind == "depth":
@@ -168,19 +177,19 @@ def chart_series(kind: str, records: list[dict[str, Any]], last: int = 5
         by_shape: dict[str, list[tuple[float, float]]] = {}
         for index, rec in enumerate(records):
             for row in _plottable(rec):
-                tg = row.get("tg_tps")
-                if isinstance(tg, dict) and isinstance(tg.get("mean"), (int, float)):
-                    label = f"pp{row.get('pp')} tg{row.get('tg')}"
-                    by_shape.setdefault(label, []).append((float(index), float(tg["mean"])))
+                tg = mean_of(row.tg_tps)
+                if tg is not None:
+                    label = f"pp{row.pp} tg{row.tg}"
+                    by_shape.setdefault(label, []).append((float(index), tg))
         series = sorted(by_shape.items())
         return "run (oldest to newest)", "decode t/s", series
     return "", "", []
 
 
-def _plottable(rec: dict[str, Any]) -> list[dict[str, Any]]:
+def _plottable(rec: dict[str, Any]) -> list[BenchRow]:
     try:
-        return _results(rec)
-    except TypeError:
+        return _results(rec, "chart")
+    except (TypeError, ValueError):
         return []  # already reported by the table
 
 

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from vllmstack.bench.client.row import BenchRow, RowRoofline, Stat, mean_of
 from vllmstack.config.modelinfo import GIB, MIB, ModelFacts, kv_bytes_per_token_per_gpu, load_model_facts
 from vllmstack.config.profiles import Resolved
 from vllmstack.core.errors import StackError
@@ -135,64 +136,69 @@ def compute_inputs(facts: ModelFacts, tp: int, device: str, kv_dtype: str, topk:
                   card=asdict(card) if card else None, notes=notes)
 
 
-def _mean(row: Mapping[str, Any], key: str) -> float | None:
-    stat = row.get(key)
-    value = stat.get("mean") if isinstance(stat, dict) else None
-    return float(value) if isinstance(value, int | float) and value > 0 else None
+def _rate(stat: Stat | None) -> float | None:
+    value = mean_of(stat)
+    return value if value is not None and value > 0 else None
 
 
-def row_roofline(row: Mapping[str, Any], inputs: Mapping[str, Any] | None) -> dict[str, Any] | None:
+def row_roofline(row: BenchRow, inputs: Mapping[str, Any] | None) -> RowRoofline | None:
     """This row's limits and how much of them it reached; None without inputs (CPU)."""
     if not inputs:
         return None
     card = inputs.get("card")
     if not card:
-        return {"card": None, "note": f"unknown card {inputs.get('device') or '(unset)'}"}
-    pp, tg, depth = (int(row.get(k) or 0) for k in ("pp", "tg", "depth"))
-    out: dict[str, Any] = {"card": inputs["device"]}
+        return RowRoofline(card=None, note=f"unknown card {inputs.get('device') or '(unset)'}")
+    pp, tg, depth = row.pp or 0, row.tg or 0, row.depth or 0
     context = depth + pp + tg / 2  # the mean context a decoded token attends to
     decode_bytes = (inputs["decode_bytes_per_gpu"] + inputs["kv_bytes_per_token_per_gpu"] * context
                     + inputs["state_bytes_per_gpu"])
+    decode_limit = decode_pct = prefill_limit = prefill_pct = None
     if decode_bytes > 0:
-        out["decode_limit_tps"] = round(card["bandwidth_gbs"] * 1e9 / decode_bytes, 1)
-        tg_tps = _mean(row, "tg_tps")
+        decode_limit = round(card["bandwidth_gbs"] * 1e9 / decode_bytes, 1)
+        tg_tps = _rate(row.tg_tps)
         if tg_tps is not None:
-            out["decode_pct"] = round(100 * tg_tps / out["decode_limit_tps"], 1)
+            decode_pct = round(100 * tg_tps / decode_limit, 1)
     peak = card.get("fp8_tflops") if inputs["compute_dtype"] == "fp8" else card.get("bf16_tflops")
     peak = peak or card.get("bf16_tflops")
     if peak and pp:
         flops = inputs["flops_per_token_per_gpu"] + inputs["attn_flops_per_ctx_per_gpu"] * (depth + pp / 2)
-        out["prefill_limit_tps"] = round(peak * 1e12 / flops, 1)
-        pp_tps = _mean(row, "pp_tps")
+        prefill_limit = round(peak * 1e12 / flops, 1)
+        pp_tps = _rate(row.pp_tps)
         if pp_tps is not None:
-            out["prefill_pct"] = round(100 * pp_tps / out["prefill_limit_tps"], 1)
-    return out
+            prefill_pct = round(100 * pp_tps / prefill_limit, 1)
+    return RowRoofline(card=str(inputs["device"]), decode_limit_tps=decode_limit,
+                       decode_pct=decode_pct, prefill_limit_tps=prefill_limit,
+                       prefill_pct=prefill_pct)
 
 
-def cell(row: Mapping[str, Any]) -> str:
+def cell(row: BenchRow) -> str:
     """The report's "% roofline" cell: "tg 41% / pp 28%", "unknown card X", or "-"."""
-    roof = row.get("roofline")
-    if not isinstance(roof, dict):
+    roof = row.roofline
+    if roof is None:
         return "-"
-    if not roof.get("card"):
-        return str(roof.get("note") or "unknown card")
-    parts = [f"tg {roof['decode_pct']:.0f}%" if isinstance(roof.get("decode_pct"), int | float) else "",
-             f"pp {roof['prefill_pct']:.0f}%" if isinstance(roof.get("prefill_pct"), int | float) else ""]
+    if not roof.card:
+        return roof.note or "unknown card"
+    parts = [f"tg {roof.decode_pct:.0f}%" if roof.decode_pct is not None else "",
+             f"pp {roof.prefill_pct:.0f}%" if roof.prefill_pct is not None else ""]
     return " / ".join(p for p in parts if p) or "-"
 
 
-def progress_line(row: Mapping[str, Any], label: str) -> str | None:
+def progress_line(row: BenchRow, label: str) -> str | None:
     """What `invoke bench` prints under a row: the limits and the share of them reached."""
-    roof = row.get("roofline")
-    if not isinstance(roof, dict):
+    roof = row.roofline
+    if roof is None:
         return None
-    if not roof.get("card"):
-        return f"{label}: roofline: {roof.get('note')} (add it to vllmstack/bench/report/roofline.py CARDS)"
-    text = [f"{label}: roofline on {roof['card']}:"]
-    if "decode_limit_tps" in roof:
-        text.append(f"decode {roof.get('decode_pct', '-')}% of {roof['decode_limit_tps']:.0f} t/s "
+    if not roof.card:
+        return f"{label}: roofline: {roof.note} (add it to vllmstack/bench/report/roofline.py CARDS)"
+    text = [f"{label}: roofline on {roof.card}:"]
+    if roof.decode_limit_tps is not None:
+        text.append(f"decode {_pct(roof.decode_pct)}% of {roof.decode_limit_tps:.0f} t/s "
                     "(memory bandwidth)")
-    if "prefill_limit_tps" in roof:
-        text.append(f"prefill {roof.get('prefill_pct', '-')}% of {roof['prefill_limit_tps']:.0f} t/s "
+    if roof.prefill_limit_tps is not None:
+        text.append(f"prefill {_pct(roof.prefill_pct)}% of {roof.prefill_limit_tps:.0f} t/s "
                     "(compute)")
     return " ".join(text)
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else str(value)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import Any
+from dataclasses import replace
 
 from vllmstack.bench.client.client import RequestResult
+from vllmstack.bench.client.row import BenchRow
 from vllmstack.bench.runs.session import (
     RunError,
     Session,
@@ -20,7 +21,7 @@ from vllmstack.workload.ladders import conc_ladder
 from vllmstack.workload.prompts import Prompt
 
 
-async def run_conc(session: Session, max_num_seqs: int | None) -> list[dict[str, Any]]:
+async def run_conc(session: Session, max_num_seqs: int | None) -> list[BenchRow]:
     opts = session.options
     if opts.concurrency is not None:
         levels = list(opts.concurrency)
@@ -40,7 +41,7 @@ async def run_conc(session: Session, max_num_seqs: int | None) -> list[dict[str,
     return rows
 
 
-async def run_conc_level(session: Session, level: int, pp: int, tg: int) -> dict[str, Any]:
+async def run_conc_level(session: Session, level: int, pp: int, tg: int) -> BenchRow:
     """`level` workers, each sending its next request as soon as the last ends, for a duration.
 
     What one stream measures must not depend on the loop around it: prompts are built before the
@@ -89,15 +90,12 @@ async def run_conc_level(session: Session, level: int, pp: int, tg: int) -> dict
                 in_window += k
     finished = sum(1 for _, _, r in results if r.ok and window_start <= r.t_end <= window_end)
     plain = [r for _, _, r in results]
-    row = summarize_results(session, plain, pp=pp, tg=tg, depth=0, concurrency=level)
-    row.update({
-        "duration_s": opts.duration_s,
-        "window_s": window,
-        "total_tg_tps": in_window / window,
-        "requests_per_s": finished / window,
-    })
-    session.progress(progress_line(row, f"c{level}") + f", total {row['total_tg_tps']:.1f} t/s over "
-                     f"{row['requests']} requests")
+    total = in_window / window
+    row = replace(summarize_results(session, plain, pp=pp, tg=tg, depth=0, concurrency=level),
+                  duration_s=opts.duration_s, window_s=window, total_tg_tps=total,
+                  requests_per_s=finished / window)
+    session.progress(progress_line(row, f"c{level}") + f", total {total:.1f} t/s over "
+                     f"{row.requests} requests")
     return row
 
 

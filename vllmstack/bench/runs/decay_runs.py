@@ -9,16 +9,15 @@ check), and only its verdict is new.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from vllmstack.bench.client.client import ChatClient
+from vllmstack.bench.client.row import BenchRow
 from vllmstack.bench.runs.depth_runs import run_depth
 from vllmstack.bench.runs.session import Progress, RunOptions, Session, measure_overhead
 from vllmstack.bench.target import Target
 from vllmstack.workload.prompts import PromptBuilder
 
-DepthMeasure = Callable[[list[int], int, int, int],
-                        Awaitable[tuple[list[dict[str, Any]], list[str]]]]
+DepthMeasure = Callable[[list[int], int, int, int], Awaitable[tuple[list[BenchRow], list[str]]]]
 
 
 def make_depth_rows(client: ChatClient, builder: PromptBuilder, target: Target,
@@ -26,7 +25,7 @@ def make_depth_rows(client: ChatClient, builder: PromptBuilder, target: Target,
     """A function running bench-depth over (depths, pp, tg, runs) on `client`: rows, warnings."""
 
     async def measure(depths: list[int], pp: int, tg: int,
-                      runs: int) -> tuple[list[dict[str, Any]], list[str]]:
+                      runs: int) -> tuple[list[BenchRow], list[str]]:
         options = RunOptions(pp=[pp], tg=[tg], runs=runs, depths=list(depths))
         options.check()
         session = Session(client, builder, target, options, progress)

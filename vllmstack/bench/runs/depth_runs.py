@@ -7,10 +7,10 @@ labelled "blended" ((depth + pp) / TTFT).
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import replace
 
 from vllmstack.bench.client.client import RequestResult
-from vllmstack.bench.client.stats import summarize
+from vllmstack.bench.client.row import BenchRow, Stat
 from vllmstack.bench.runs.session import (
     RunError,
     Session,
@@ -43,7 +43,7 @@ async def _prefix_caching_on(session: Session) -> bool:
     return False
 
 
-async def run_depth(session: Session, max_model_len: int | None) -> list[dict[str, Any]]:
+async def run_depth(session: Session, max_model_len: int | None) -> list[BenchRow]:
     opts = session.options
     pp, tg = opts.pp[0], opts.tg[0]
     if opts.depths is not None:
@@ -72,16 +72,16 @@ async def run_depth(session: Session, max_model_len: int | None) -> list[dict[st
     return rows
 
 
-async def _depth_zero(session: Session, pp: int, tg: int) -> dict[str, Any]:
+async def _depth_zero(session: Session, pp: int, tg: int) -> BenchRow:
     results = [await session.send(user((await session.builder.build_async(pp)).text), tg)
                for _ in range(session.options.runs)]
-    row = summarize_results(session, results, pp=pp, tg=tg, depth=0, concurrency=1)
-    row["mode"] = "cold"
+    row = replace(summarize_results(session, results, pp=pp, tg=tg, depth=0, concurrency=1),
+                  mode="cold")
     session.progress(progress_line(row, "d0"))
     return row
 
 
-async def _depth_blended(session: Session, depth: int, pp: int, tg: int) -> dict[str, Any]:
+async def _depth_blended(session: Session, depth: int, pp: int, tg: int) -> BenchRow:
     results = []
     for _ in range(session.options.runs):
         context = await session.builder.build_async(depth)
@@ -89,13 +89,14 @@ async def _depth_blended(session: Session, depth: int, pp: int, tg: int) -> dict
         messages = [{"role": "system", "content": context.text},
                     {"role": "user", "content": question.text}]
         results.append(await session.send(messages, tg))
-    row = summarize_results(session, results, pp=pp, tg=tg, depth=depth, concurrency=1)
-    row["mode"] = "blended"  # pp_tps = all (depth + pp) prompt tokens over the whole prefill
+    # pp_tps = all (depth + pp) prompt tokens over the whole prefill
+    row = replace(summarize_results(session, results, pp=pp, tg=tg, depth=depth, concurrency=1),
+                  mode="blended")
     session.progress(progress_line(row, f"d{depth} (blended)"))
     return row
 
 
-async def _depth_two_phase(session: Session, depth: int, pp: int, tg: int) -> dict[str, Any]:
+async def _depth_two_phase(session: Session, depth: int, pp: int, tg: int) -> BenchRow:
     results: list[RequestResult] = []
     pp_pairs: list[tuple[int | None, float | None]] = []
     ctx_pairs: list[tuple[int | None, float | None]] = []
@@ -130,13 +131,13 @@ async def _depth_two_phase(session: Session, depth: int, pp: int, tg: int) -> di
         hits.append(cached)
         fresh = (result.prompt_tokens or 0) - int(cached)
         pp_pairs.append((fresh, result.ttft_s))
-    row = summarize_results(session, results, pp=pp, tg=tg, depth=depth, concurrency=1,
-                            pp_pairs=pp_pairs)
-    row["mode"] = "two-phase" if all_hit else "blended"
-    # The context load's prefill rate: the same estimate, over the load requests.
-    row["ctx_pp_tps"] = pp_estimate(session.overhead, ctx_pairs)["pp_tps"]
-    row["cache_hit_tokens"] = summarize(hits)
-    session.progress(progress_line(row, f"d{depth} ({row['mode']})"))
+    row = replace(summarize_results(session, results, pp=pp, tg=tg, depth=depth, concurrency=1,
+                                    pp_pairs=pp_pairs),
+                  mode="two-phase" if all_hit else "blended",
+                  # The context load's prefill rate: the same estimate, over the load requests.
+                  ctx_pp_tps=pp_estimate(session.overhead, ctx_pairs).pp_tps,
+                  cache_hit_tokens=Stat.of(hits))
+    session.progress(progress_line(row, f"d{depth} ({row.mode})"))
     return row
 
 

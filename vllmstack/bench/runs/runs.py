@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from vllmstack.bench.client.client import ChatClient, EndpointError
+from vllmstack.bench.client.row import BenchRow
 from vllmstack.bench.report import history, roofline
 from vllmstack.bench.runs.conc_runs import run_conc, run_conc_level
 from vllmstack.bench.runs.depth_runs import run_depth
@@ -52,9 +53,9 @@ __all__ = [
 RUN_KINDS = ("bench", "depth", "conc")
 
 
-async def run_bench(session: Session) -> list[dict[str, Any]]:
+async def run_bench(session: Session) -> list[BenchRow]:
     opts = session.options
-    rows: list[dict[str, Any]] = []
+    rows: list[BenchRow] = []
     for pp in opts.pp:
         for tg in opts.tg:
             if opts.warmup:
@@ -151,12 +152,13 @@ async def execute(
     finally:
         if own_client:
             await client.aclose()
-    for row in rows:  # % of what the card allows at best (None on a CPU)
-        row["roofline"] = roofline.row_roofline(row, target.roofline)
-        line = roofline.progress_line(row, f"pp{row.get('pp')} tg{row.get('tg')}")
+    # % of what the card allows at best (None on a CPU)
+    rows = [replace(row, roofline=roofline.row_roofline(row, target.roofline)) for row in rows]
+    for row in rows:
+        line = roofline.progress_line(row, f"pp{row.pp} tg{row.tg}")
         if line:
             progress(line)
-    failed = sum(row["errors"] for row in rows)
+    failed = sum(row.errors or 0 for row in rows)
     status = "ok" if rows and not failed else "failed"
     record: dict[str, Any] = {
         "kind": kind,
@@ -168,7 +170,7 @@ async def execute(
         "server": server,
         "options": asdict(options),
         "overhead": asdict(session.overhead) if session.overhead else None,
-        "results": rows,
+        "results": [row.to_json() for row in rows],
         "warnings": session.warnings,
         "failures": session.failures[:20],
     }

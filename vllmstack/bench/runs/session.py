@@ -28,10 +28,10 @@ import math
 import statistics
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from vllmstack.bench.client.client import ChatClient, EndpointError, RequestResult, chat_body
-from vllmstack.bench.client.stats import summarize
+from vllmstack.bench.client.row import BenchRow, Stat, mean_of
 from vllmstack.bench.options import MAX_TOKENS
 from vllmstack.bench.target import Target
 from vllmstack.core.errors import StackError
@@ -139,19 +139,25 @@ def robust_spread(values: Sequence[float]) -> float:
     return 1.4826 * statistics.median(abs(v - middle) for v in values)
 
 
-def pp_estimate(overhead: Overhead | None, pairs: Sequence[tuple[int | None, float | None]]
-                ) -> dict[str, Any]:
-    """pp from (prompt tokens, TTFT s) pairs: the estimate with its uncertainty, or why not.
+@dataclass(frozen=True)
+class PpEstimate:
+    """pp with its uncertainty, or why not: `pp_tps` (None, or mean = the estimate, std = its
+    uncertainty, min/max = the interval, n = runs), `pp_marginal_ms` (the marginal prefill times),
+    `pp_uncertainty_ms` and `pp_note` ("below resolution" when the marginal time does not clear
+    RESOLUTION x the uncertainty). The names are BenchRow's, where they are copied to."""
 
-    Returns `pp_tps` (None, or mean = estimate, std = its uncertainty, min/max = the interval,
-    n = runs), `pp_marginal_ms` (the marginal prefill times), `pp_uncertainty_ms` and `pp_note`
-    ("below resolution" when the marginal time does not clear RESOLUTION x the uncertainty).
-    """
-    out: dict[str, Any] = {"pp_tps": None, "pp_marginal_ms": None, "pp_uncertainty_ms": None,
-                           "pp_note": None}
+    pp_tps: Stat | None = None
+    pp_marginal_ms: Stat | None = None
+    pp_uncertainty_ms: float | None = None
+    pp_note: str | None = None
+
+
+def pp_estimate(overhead: Overhead | None, pairs: Sequence[tuple[int | None, float | None]]
+                ) -> PpEstimate:
+    """pp from (prompt tokens, TTFT s) pairs: the estimate with its uncertainty, or why not."""
     usable = [(p, t) for p, t in pairs if p and t and p > 0 and t > 0]
     if overhead is None or not usable:
-        return out
+        return PpEstimate()
     tokens = [p - overhead.prompt_tokens for p, _ in usable]
     marginal = [t - overhead.ttft_s for _, t in usable]
     # Medians: one request delayed by something else on the machine must not move pp.
@@ -159,27 +165,37 @@ def pp_estimate(overhead: Overhead | None, pairs: Sequence[tuple[int | None, flo
     mean_p = statistics.median(tokens)
     spread_m = robust_spread(marginal)
     u = math.hypot(spread_m, overhead.spread_s)
-    out["pp_marginal_ms"] = summarize([m * 1000 for m in marginal])
-    out["pp_uncertainty_ms"] = u * 1000
+    marginal_ms = Stat.of(m * 1000 for m in marginal)
     if mean_p <= 0 or mean_m <= 0 or mean_m <= RESOLUTION * u:
-        out["pp_note"] = BELOW_RESOLUTION
-        return out
+        return PpEstimate(None, marginal_ms, u * 1000, BELOW_RESOLUTION)
     estimate = mean_p / mean_m
-    out["pp_tps"] = {"mean": estimate, "std": estimate * u / mean_m,
-                     "min": mean_p / (mean_m + u), "max": mean_p / (mean_m - u),
-                     "n": float(len(usable))}
-    return out
+    stat = Stat(mean=estimate, std=estimate * u / mean_m, min=mean_p / (mean_m + u),
+                max=mean_p / (mean_m - u), n=float(len(usable)))
+    return PpEstimate(stat, marginal_ms, u * 1000, None)
 
 
-def pp_text(row: dict[str, Any], key: str = "pp_tps") -> str:
+class PpFields(Protocol):
+    """What `pp_text` reads: a BenchRow, or the PpEstimate it was made from."""
+
+    @property
+    def pp_tps(self) -> Stat | None: ...
+    @property
+    def pp_marginal_ms(self) -> Stat | None: ...
+    @property
+    def pp_uncertainty_ms(self) -> float | None: ...
+    @property
+    def pp_note(self) -> str | None: ...
+
+
+def pp_text(row: PpFields) -> str:
     """`147k ± 48k t/s`, or why there is no number."""
-    stat = row.get(key)
-    if isinstance(stat, dict) and isinstance(stat.get("mean"), int | float):
-        return f"{_short(stat['mean'])} ± {_short(stat.get('std') or 0.0)} t/s"
-    marginal = row.get("pp_marginal_ms")
-    if row.get("pp_note") == BELOW_RESOLUTION and isinstance(marginal, dict):
-        return (f"{BELOW_RESOLUTION} (marginal prefill {marginal['mean']:.1f} ms, "
-                f"uncertainty {row.get('pp_uncertainty_ms') or 0:.1f} ms)")
+    mean = mean_of(row.pp_tps)
+    if row.pp_tps is not None and mean is not None:
+        return f"{_short(mean)} ± {_short(row.pp_tps.std or 0.0)} t/s"
+    marginal = row.pp_marginal_ms
+    if row.pp_note == BELOW_RESOLUTION and marginal is not None:
+        return (f"{BELOW_RESOLUTION} (marginal prefill {marginal.mean:.1f} ms, "
+                f"uncertainty {row.pp_uncertainty_ms or 0:.1f} ms)")
     return "-"
 
 
@@ -253,8 +269,8 @@ def user(text: str) -> list[dict[str, Any]]:
     return [{"role": "user", "content": text}]
 
 
-def _ms(values: Sequence[float | None]) -> dict[str, float] | None:
-    return summarize([v * 1000 for v in values if v is not None])
+def _ms(values: Sequence[float | None]) -> Stat | None:
+    return Stat.of(v * 1000 for v in values if v is not None)
 
 
 async def measure_overhead(session: Session) -> Overhead:
@@ -292,7 +308,7 @@ def summarize_results(
     depth: int,
     concurrency: int,
     pp_pairs: Sequence[tuple[int | None, float | None]] | None = None,
-) -> dict[str, Any]:
+) -> BenchRow:
     """One result row: distributions over the successful requests plus counts.
 
     `pp_pairs` are the (prompt tokens, TTFT) that pp is estimated from; by default every
@@ -314,32 +330,36 @@ def summarize_results(
     for r in paced:
         itl.extend(r.itl_samples_s())
     sources = sorted({r.token_source for r in good})
-    return {
-        "pp": pp,
-        "tg": tg,
-        "depth": depth,
-        "concurrency": concurrency,
-        "requests": len(results),
-        "errors": len(results) - len(good),
-        "ttft_ms": _ms([r.ttft_s for r in good]),
-        "ttfr_ms": _ms([r.ttfr_s for r in good]),
-        **pp_estimate(session.overhead, pp_pairs),
-        "tg_tps": summarize([v for v in (r.decode_tps for r in paced) if v is not None]),
-        "itl_ms": _ms(itl),
-        "e2e_ms": _ms([r.t_end - r.t_sent for r in good]),
-        "prompt_tokens": summarize([float(r.prompt_tokens) for r in good if r.prompt_tokens]),
-        "completion_tokens": summarize([float(r.tokens) for r in good]),
-        "token_source": sources[0] if len(sources) == 1 else sources,
-    }
+    estimate = pp_estimate(session.overhead, pp_pairs)
+    return BenchRow(
+        pp=pp,
+        tg=tg,
+        depth=depth,
+        concurrency=concurrency,
+        requests=len(results),
+        errors=len(results) - len(good),
+        ttft_ms=_ms([r.ttft_s for r in good]),
+        ttfr_ms=_ms([r.ttfr_s for r in good]),
+        pp_tps=estimate.pp_tps,
+        pp_marginal_ms=estimate.pp_marginal_ms,
+        pp_uncertainty_ms=estimate.pp_uncertainty_ms,
+        pp_note=estimate.pp_note,
+        tg_tps=Stat.of(v for v in (r.decode_tps for r in paced) if v is not None),
+        itl_ms=_ms(itl),
+        e2e_ms=_ms([r.t_end - r.t_sent for r in good]),
+        prompt_tokens=Stat.of(float(r.prompt_tokens) for r in good if r.prompt_tokens),
+        completion_tokens=Stat.of(float(r.tokens) for r in good),
+        token_source=sources[0] if len(sources) == 1 else tuple(sources),
+    )
 
 
-def progress_line(row: dict[str, Any], label: str) -> str:
-    def mean(key: str, fmt: str) -> str:
-        s = row.get(key)
-        return format(s["mean"], fmt) if s else "-"
+def progress_line(row: BenchRow, label: str) -> str:
+    def mean(stat: Stat | None, fmt: str) -> str:
+        value = mean_of(stat)
+        return "-" if value is None else format(value, fmt)
 
-    itl = row.get("itl_ms")
-    return (f"{label}: ttft {mean('ttft_ms', '.1f')} ms, pp {pp_text(row)}, "
-            f"tg {mean('tg_tps', '.2f')} t/s, itl p50/p99 "
-            f"{itl['p50'] if itl else 0:.2f}/{itl['p99'] if itl else 0:.2f} ms"
-            + (f", {row['errors']} failed" if row.get("errors") else ""))
+    itl = row.itl_ms
+    return (f"{label}: ttft {mean(row.ttft_ms, '.1f')} ms, pp {pp_text(row)}, "
+            f"tg {mean(row.tg_tps, '.2f')} t/s, itl p50/p99 "
+            f"{(itl.p50 or 0) if itl else 0:.2f}/{(itl.p99 or 0) if itl else 0:.2f} ms"
+            + (f", {row.errors} failed" if row.errors else ""))

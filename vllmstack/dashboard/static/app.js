@@ -377,7 +377,9 @@ function renderRecords(kind, records) {
     rowsOf(record).forEach((row, i) => {
       const tr = el("tr", { class: fresh ? "new-record" : "", "data-record": record.id || "" });
       for (const [key] of columns) {
-        if (key === "time") tr.append(el("td", {}, i === 0 ? when(record.ts) : ""));
+        // A row this checkout cannot read (a newer row version): shown as stored, the reason on hover.
+        if (key === "time") tr.append(el("td", i === 0 && record._unread ? { title: record._unread } : {},
+          i === 0 ? when(record.ts) + (record._unread ? " ⚠" : "") : ""));
         else if (key === "model") tr.append(el("td", {}, i === 0 ? (record.model || record.served_model || "–") : ""));
         else if (key === "actions") tr.append(i === 0 ? actionsCell(kind, record) : el("td"));
         else tr.append(el("td", {}, cell(key, row)));
