@@ -3,6 +3,8 @@ the condition its source thread reports, and the shipped R9700 profiles pass."""
 
 from __future__ import annotations
 
+import io
+import json
 from pathlib import Path
 
 import pytest
@@ -14,8 +16,10 @@ from vllmstack.checks.registry import run_checks
 from vllmstack.config.profiles import resolve
 from vllmstack.core.findings import Finding
 from vllmstack.core.paths import Project
+from vllmstack.core.runner import RecordingRunner, Result
 from vllmstack.image.build import PIN_LABEL, ROCM_RELEASE_LABEL, image_labels
 from vllmstack.image.patches import VerifyReport
+from vllmstack.serve import lifecycle
 
 MTP3 = 'VLLM_SPEC_DECODE={"method": "mtp", "num_speculative_tokens": 3}'
 
@@ -165,3 +169,73 @@ def test_doctor_reads_the_host_rocm_and_names_the_known_bad(tmp_path: Path) -> N
     assert check_rocm(rocm_host(tmp_path / "d", "7.2.4"), "amd", "gfx1151", 1, "").status == PASS
     assert check_rocm(rocm_host(tmp_path / "e", None), "amd", "gfx1201", 2, "").status == SKIP
     assert check_rocm(rocm_host(tmp_path / "f", "7.2.4"), "nvidia", "", 1, "").status == SKIP
+
+
+# --- `up` runs the image rules too, before any engine command -----------------------------------
+
+class NoDevicesMissing:
+    """A GPU probe of a host with the platform's devices (the guards pass; the labels decide)."""
+
+    def missing_devices(self) -> list[str]:
+        return []
+
+    def memory(self) -> None:
+        return None
+
+
+def label_runner(labels: dict[str, str], client: str = "docker") -> RecordingRunner:
+    runner = RecordingRunner()
+    runner.respond([client, "image", "inspect", "--format", "{{json .Config.Labels}}"],
+                   Result((), 0, json.dumps(labels)))
+    return runner
+
+
+def test_up_refuses_an_image_without_the_cards_arch_before_any_engine_command(
+        project: Project) -> None:
+    resolved = resolve(project, model="qwen3.8-27b", platform="2xr9700",
+                       overrides=["OTHER_ENGINE_PORTS=", f"HOST_CACHE_DIR={project.root}/cache"])
+    runner = label_runner({PIN_LABEL + "gpu_arch": "gfx1100"})
+    stack = lifecycle.open_stack(project, resolved, {}, runner, runtime="compose",
+                                 out=io.StringIO(), probe=NoDevicesMissing())
+    with pytest.raises(lifecycle.LifecycleError) as refused:
+        lifecycle.up(stack, dashboard=False, timeout=1)
+    assert "nothing was started" in refused.value.cause
+    [detail] = refused.value.details
+    assert "image-lacks-arch" in detail and "built for gfx1100, not gfx1201" in detail
+    assert "ROCm/aiter#5229" in detail
+    # Only the compose probe and the label read ran: no prepare, no `compose run`, no `up`.
+    assert runner.calls == [("docker", "compose", "version"),
+                            ("docker", "image", "inspect", "--format", "{{json .Config.Labels}}",
+                             resolved.get_str("VLLM_IMAGE"))]
+
+
+def test_up_passes_an_image_built_for_the_card_and_reads_podmans_own_store(
+        project: Project) -> None:
+    resolved = resolve(project, model="qwen3.8-27b", platform="2xr9700")
+    runner = label_runner({PIN_LABEL + "gpu_arch": "gfx1201"}, client="podman")
+    command, findings = lifecycle.preflight(project, resolved, {}, "compose", runner,
+                                            flavour="podman")
+    assert command.argv and "image-lacks-arch" not in codes(findings)
+    assert ("podman", "image", "inspect", "--format", "{{json .Config.Labels}}",
+            resolved.get_str("VLLM_IMAGE")) in runner.calls
+    # Natively no image runs: its labels are not read, so they cannot refuse.
+    native = label_runner({PIN_LABEL + "gpu_arch": "gfx1100"})
+    try:
+        lifecycle.preflight(project, resolved, {}, "native", native)
+    except lifecycle.LifecycleError as exc:
+        assert not any("image-lacks-arch" in d for d in exc.details)
+    assert not [c for c in native.calls if c[1:3] == ("image", "inspect")]
+
+
+def test_up_applies_the_image_rccl_rule_as_check_does(monkeypatch: pytest.MonkeyPatch,
+                                                       project: Project) -> None:
+    monkeypatch.setattr(rdna4, "FIRST_FIXED_RCCL", (11, 0))
+    resolved = resolve(project, model="qwen3.8-27b", platform="2xr9700", overrides=["NCCL_PROTO="])
+    arch = {PIN_LABEL + "gpu_arch": "gfx1201"}
+    _, findings = lifecycle.preflight(project, resolved, {}, "compose",
+                                      label_runner({**arch, ROCM_RELEASE_LABEL: "11.0"}))
+    assert "rccl-ll-deadlock" not in codes(findings)
+    with pytest.raises(lifecycle.LifecycleError) as refused:
+        lifecycle.preflight(project, resolved, {}, "compose",
+                            label_runner({**arch, ROCM_RELEASE_LABEL: "10.1"}))
+    assert any("rccl-ll-deadlock" in d for d in refused.value.details)

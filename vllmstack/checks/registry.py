@@ -62,7 +62,7 @@ from vllmstack.core.findings import Finding, sort_findings
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner, mask_text
 from vllmstack.image import build
-from vllmstack.runtime.select import engine_placement
+from vllmstack.runtime.select import engine_placement, image_client
 
 RULES: tuple[Rule, ...] = (
     rule_profile_problems,
@@ -212,11 +212,22 @@ def check_profile(
             parsed.append(Finding("info", "vllm-parser-ok",
                                   f"vLLM {resolved.get('VLLM_VERSION')}'s own parser accepts the argv"))
         findings += parsed
-    docker = resolved.get_str("DOCKER")
-    labels = build.read_image_labels(runner, docker, resolved.get("VLLM_IMAGE") or "")
+    findings, labels = with_engine_image(findings, ctx, runner)
     findings += [_missing_image_for_containers(f, ctx) for f in
                  build.image_label_findings(project, resolved, labels)]
-    return sort_findings(with_image_labels(findings, resolved, labels))
+    return sort_findings(findings)
+
+
+def with_engine_image(findings: list[Finding], ctx: CheckContext, runner: Runner,
+                      flavour: str | None = None) -> tuple[list[Finding], dict[str, str] | None]:
+    """The rules that read the engine image's build labels (checks/rdna4: the GPU archs it has
+    code objects for, its ROCm release's RCCL) applied to `run_checks`' findings, and the labels
+    (None: no such image). `check` and `up`'s preflight both call this, so an image that would
+    abort on the card is refused before boot by either. `flavour`: the concrete runtime (podman
+    keeps its own image store), else the context's runtime."""
+    client = image_client(ctx.resolved, flavour or ctx.runtime)
+    labels = build.read_image_labels(runner, client, ctx.get("VLLM_IMAGE"))
+    return with_image_labels(findings, ctx.resolved, labels), labels
 
 
 def _missing_image_for_containers(finding: Finding, ctx: CheckContext) -> Finding:

@@ -50,6 +50,12 @@ def requested_runtime(resolved: Resolved, runtime: str | None, previous: Mapping
     return requested
 
 
+def image_client(resolved: Resolved, runtime: str) -> str:
+    """The container CLI whose image store holds the engine image on `runtime` (a runtime kind or
+    a concrete flavour): Podman's own on the podman runtime, else DOCKER's."""
+    return "podman" if runtime == "podman" else resolved.get_str("DOCKER")
+
+
 def compose_project_name(project: Project, resolved: Resolved, previous: Mapping[str, Any]) -> str:
     """The Compose project of this checkout's stack.
 

@@ -17,13 +17,13 @@ from typing import Any, TextIO
 
 import requests
 
-from vllmstack.checks.registry import run_checks
+from vllmstack.checks.registry import run_checks, with_engine_image
 from vllmstack.config.engines.table import DEFAULT, display_name, engine_kind, engine_of
 from vllmstack.config.profiles import Resolved
 from vllmstack.config.vllm_args import ServeCommand
 from vllmstack.core.errors import StackError
 from vllmstack.core.files import FileWriteError, remove_file
-from vllmstack.core.findings import Finding
+from vllmstack.core.findings import Finding, sort_findings
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner, mask_argv
 from vllmstack.core.store import clear_store
@@ -87,10 +87,16 @@ class UpResult:
 
 def preflight(project: Project, resolved: Resolved, environ: Mapping[str, str],
               runtime: str | None = None, runner: Runner | None = None,
-              ) -> tuple[ServeCommand, list[Finding]]:
-    """`invoke check`'s rules (with a runner: on the host's detected GPUs); errors stop `up`
-    before anything starts."""
+              flavour: str | None = None) -> tuple[ServeCommand, list[Finding]]:
+    """`invoke check`'s rules (with a runner: on the host's detected GPUs, and on a container
+    runtime the image's build labels: its archs, its RCCL); errors stop `up` before anything
+    starts. `flavour`: the concrete container runtime, whose image store is read."""
     findings, ctx = run_checks(project, resolved, environ, runtime=runtime, runner=runner)
+    if runner is not None and engine_kind(resolved).vllm_cli and ctx.runtime != "native":
+        # The same label rules as `check`: an image without the card's arch aborts silently at
+        # the first kernel launch, so it must not get as far as the start.
+        findings, _ = with_engine_image(findings, ctx, runner, flavour)
+        findings = sort_findings(findings)
     errors = [f for f in findings if f.severity == "error"]
     if errors or ctx.command is None:
         raise LifecycleError(
@@ -142,7 +148,7 @@ def _serving(stack: Stack) -> Stack:
         # A container runtime renders its files for the engine command before it runs anything:
         # the source's, checked as `up` checks (an error stops here, before minutes of measuring).
         command, _ = preflight(stack.project, stack.resolved, stack.environ, stack.engine.name,
-                               runner=stack.runner)
+                               runner=stack.runner, flavour=stack.engine.flavour)
         return stack.engine.beside(command)
 
     served = served_model(stack.project, stack.resolved, stack.environ, beside=beside,
@@ -160,7 +166,7 @@ def _up(stack: Stack, *, timeout: float | None, force: bool, dashboard: bool,
     out = stack.out
     resolved = stack.resolved
     command, findings = preflight(stack.project, resolved, stack.environ, stack.engine.name,
-                                  runner=stack.runner)
+                                  runner=stack.runner, flavour=stack.engine.flavour)
     for finding in findings:
         if finding.severity == "warning":
             print(finding.render(), file=out)
