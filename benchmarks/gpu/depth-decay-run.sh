@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Issue 39, item 3: `invoke probe depth-decay` on the H200, so there is a measured baseline of what
 # a healthy backend's decode-vs-depth curve looks like (decode t/s at 8K, 32K and 64K, each as a
-# share of 8K; the probe fails below 50 % at 64K). One geometry per call (boot plus the probe fits
-# one 10-minute call), dummy weights (`--load-format dummy`), real vLLM 0.27.1 on the native
-# runtime, TRITON_ATTN (its FlashAttention extensions do not load on that machine). From the
+# share of 8K; the probe now judges that share against the roofline's). One geometry per call
+# (boot plus the probe fits one 10-minute call), dummy weights (`--load-format dummy`), real
+# vLLM 0.27.1 on the native runtime, TRITON_ATTN (its FlashAttention extensions do not load on that machine). From the
 # carried tree root, after device.sh stage p1/p2 (see ../shared/gpu/README.md):
 #   source .gpu/p3/tools/device.sh setup && bash benchmarks/gpu/depth-decay-run.sh 8b
 #   source .gpu/p3/tools/device.sh setup && bash benchmarks/gpu/depth-decay-run.sh 27b

@@ -162,7 +162,7 @@ async def _run_checks(args: argparse.Namespace, target: Target, environ: Mapping
         ctx = ProbeContext(client, target.model, builder, target.max_num_seqs, max_len,
                            params, progress, settings=dict(target.settings),
                            depth_rows=make_depth_rows(client, builder, target, progress)
-                           if builder is not None else None)
+                           if builder is not None else None, roofline=target.roofline)
         if args.command == "probe":
             return await run_probe(args.name, ctx)
         return await run_stability(args.mode, ctx)

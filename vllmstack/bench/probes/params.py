@@ -86,7 +86,7 @@ PARAMS: dict[str, tuple[Param, ...]] = {
                     _count("max_tokens")),
     # tg of at least 2: a decode rate needs a token after the first.
     "depth-decay": (_count("pp"), _count("tg", 2), _count("runs", 1, 100),
-                    Param("min_share", float, 0, 1, True), _count("max_depth", 512),
+                    Param("min_of_roofline", float, 0, 1, True), _count("max_depth", 512),
                     Param("attention_backend", str), Param("gpu_vendor", str),
                     Param("gpu_arch", str)),
     "smoke": (),

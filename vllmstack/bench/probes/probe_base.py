@@ -32,6 +32,9 @@ class ProbeContext:
     # dtype, the GPU); empty against a bare --url.
     settings: dict[str, str] = field(default_factory=dict)
     depth_rows: DepthRows | None = None
+    # The roofline's inputs for the profile (bench/report/roofline.inputs_from_profile); None on a
+    # CPU platform or against a bare --url. depth-decay judges its curve against them.
+    roofline: dict[str, Any] | None = None
 
     def param(self, key: str, default: Any) -> Any:
         value = self.params.get(key)

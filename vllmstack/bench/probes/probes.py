@@ -16,7 +16,8 @@ made no tool call or the server exposes no prefix-cache counters).
 * multi-image      several large images in one message are accepted and answered (the images are
                    drawn locally; nothing is downloaded)
 * depth-decay      decode t/s at depth 8K, 32K and 64K (capped by the window) as a share of the
-                   8K figure; fails below 50 % at the deepest (`probe_decay`)
+                   8K figure; fails below a quarter of the roofline's share at the deepest
+                   (`probe_decay`)
 """
 
 from __future__ import annotations

@@ -141,6 +141,29 @@ def _rate(stat: Stat | None) -> float | None:
     return value if value is not None and value > 0 else None
 
 
+def decode_bytes(inputs: Mapping[str, Any], context: float) -> float:
+    """What one decoded token reads on one GPU at `context` tokens: the weights, the KV cache of
+    the context, a hybrid's recurrent state."""
+    return float(inputs["decode_bytes_per_gpu"] + inputs["kv_bytes_per_token_per_gpu"] * context
+                 + inputs["state_bytes_per_gpu"])
+
+
+def decode_context(depth: int, pp: int, tg: int) -> float:
+    """The mean context a decoded token attends to in a depth/pp/tg row."""
+    return depth + pp + tg / 2
+
+
+def expected_decode_share(inputs: Mapping[str, Any] | None, base_context: float,
+                          context: float) -> float | None:
+    """What a memory-bound decode keeps at `context` of its rate at `base_context`: the bytes
+    per token there over the bytes here (the card's bandwidth cancels, so an unknown card is no
+    obstacle). None without inputs (a CPU platform, a bare --url) or bytes."""
+    if not inputs:
+        return None
+    deep = decode_bytes(inputs, context)
+    return decode_bytes(inputs, base_context) / deep if deep > 0 else None
+
+
 def row_roofline(row: BenchRow, inputs: Mapping[str, Any] | None) -> RowRoofline | None:
     """This row's limits and how much of them it reached; None without inputs (CPU)."""
     if not inputs:
@@ -149,12 +172,10 @@ def row_roofline(row: BenchRow, inputs: Mapping[str, Any] | None) -> RowRoofline
     if not card:
         return RowRoofline(card=None, note=f"unknown card {inputs.get('device') or '(unset)'}")
     pp, tg, depth = row.pp or 0, row.tg or 0, row.depth or 0
-    context = depth + pp + tg / 2  # the mean context a decoded token attends to
-    decode_bytes = (inputs["decode_bytes_per_gpu"] + inputs["kv_bytes_per_token_per_gpu"] * context
-                    + inputs["state_bytes_per_gpu"])
+    per_token = decode_bytes(inputs, decode_context(depth, pp, tg))
     decode_limit = decode_pct = prefill_limit = prefill_pct = None
-    if decode_bytes > 0:
-        decode_limit = round(card["bandwidth_gbs"] * 1e9 / decode_bytes, 1)
+    if per_token > 0:
+        decode_limit = round(card["bandwidth_gbs"] * 1e9 / per_token, 1)
         tg_tps = _rate(row.tg_tps)
         if tg_tps is not None:
             decode_pct = round(100 * tg_tps / decode_limit, 1)
