@@ -47,6 +47,10 @@ def test_flashattention_without_kernels_names_an_explicit_backend() -> None:
     assert "AssertionError: FlashAttention version not detected." in (found.line or "")
     assert "ATTENTION_BACKEND=TRITON_ATTN" in found.fix and "draft model" in found.fix
     assert not [w for w in AMD_WORDS if w in found.fix]
+    # Already on TRITON_ATTN: it is not offered again, and the fix says it is in use.
+    named = diagnosis.diagnose(lines("fail-tp2-mtp-flashattention.log"), 1, "nvidia",
+                               "TRITON_ATTN")
+    assert "ATTENTION_BACKEND=FLASHINFER (it uses TRITON_ATTN already)" in named.fix
 
 
 def test_gdn_prefill_without_flashinfer_gives_vllms_own_hint() -> None:

@@ -6,7 +6,9 @@ against the table, the most specific signature wins, and the generic line is onl
 When no signature matches, the last exception line (`SomethingError: text`) that an EngineCore
 or Worker process raised above the generic line is the cause, quoted as it was logged.
 Fixes that differ by GPU vendor say so (`Signature.by_vendor`): an NVIDIA box never gets an
-AMD-only hint. Texts come from vLLM's source and captured logs (shared/reference/vllm-captures,
+AMD-only hint. A fix that offers attention backends (`{backends}`) never offers the one the
+profile already uses (ATTENTION_BACKEND), and says so (config/attention.offer_backends).
+Texts come from vLLM's source and captured logs (shared/reference/vllm-captures,
 shared/gpu/runs-*, vllm-facts §9), and for llama-server (ENGINE=llamacpp) from the pinned
 llama.cpp b9993's source and its real logs (tests/data/llamacpp/); LLAMACPP_SIGNATURES come first.
 """
@@ -16,6 +18,8 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+
+from vllmstack.config.attention import UNIFIED_AITER, offer_backends
 
 # vLLM prefixes every line of a multi-process engine with its process: "(EngineCore pid=1547) ",
 # "(Worker_TP0 pid=1788) ", "(APIServer pid=717) ". Two workers writing at once leave two prefixes
@@ -68,9 +72,15 @@ class Signature:
     # When set, the signature counts only if some line of the log also matches this: the error
     # line alone does not say which part of vLLM raised it, a traceback frame does.
     context: re.Pattern[str] | None = None
+    # The attention backends `{backends}` in a fix offers, per GPU_VENDOR ("" for any other),
+    # first choice first; the one the profile uses is left out (issue 39).
+    backends: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def fix_for(self, vendor: str | None) -> str:
         return self.by_vendor.get(vendor or "", self.fix)
+
+    def backends_for(self, vendor: str | None, current: str | None) -> str:
+        return offer_backends(self.backends.get(vendor or "", self.backends.get("", ())), current)
 
 
 @dataclass(frozen=True)
@@ -89,9 +99,9 @@ class Diagnosis:
 
 
 def _sig(code: str, pattern: str, cause: str, fix: str, *, context: str | None = None,
-         **by_vendor: str) -> Signature:
+         backends: Mapping[str, tuple[str, ...]] | None = None, **by_vendor: str) -> Signature:
     return Signature(code, re.compile(pattern), cause, fix, by_vendor,
-                     re.compile(context) if context else None)
+                     re.compile(context) if context else None, dict(backends or {}))
 
 
 # llama-server's failures (llama.cpp b9993). Each pattern is the format string the pinned source
@@ -235,18 +245,19 @@ SIGNATURES: tuple[Signature, ...] = (
     _sig("flashinfer-missing", r"No module named 'flashinfer'",
          "vLLM picked a FlashInfer kernel, and flashinfer is not installed in the engine's environment",
          "install flashinfer into the engine environment, or choose non-FlashInfer kernels: "
-         "ATTENTION_BACKEND=TRITON_ATTN, and for hybrid Qwen3.5/3.6 models `--gdn-prefill-backend "
-         "triton` in VLLM_EXTRA_ARGS"),
+         "{backends}, and for hybrid Qwen3.5/3.6 models `--gdn-prefill-backend "
+         "triton` in VLLM_EXTRA_ARGS", backends={"": ("TRITON_ATTN", "FLASH_ATTN")}),
     _sig("flash-attn-unavailable", r"FlashAttention version not detected",
          "a model part runs on the FlashAttention backend, but this vLLM build has no working "
          "FlashAttention kernels (vllm_flash_attn did not load); with spec decode it is often the "
          "draft model, which picks its own backend",
-         "name the attention backend explicitly: ATTENTION_BACKEND=TRITON_ATTN (the stack hands it "
+         "name the attention backend explicitly: {backends} (the stack hands it "
          "to the draft model's speculative config too; `--attention-backend` in VLLM_EXTRA_ARGS "
          "alone does not reach the draft model)",
-         amd="name the attention backend explicitly: ATTENTION_BACKEND=TRITON_ATTN or "
-             "ROCM_AITER_UNIFIED_ATTN (the stack hands it to the draft model's speculative config "
-             "too), or build the image with flash-attention for this GPU_ARCH"),
+         amd="name the attention backend explicitly: {backends} (the stack hands it to the draft "
+             "model's speculative config too), or build the image with flash-attention for this "
+             "GPU_ARCH",
+         backends={"": ("TRITON_ATTN", "FLASHINFER"), "amd": ("TRITON_ATTN", UNIFIED_AITER)}),
     _sig("bad-parser", r"invalid (?P<what>tool call|reasoning) parser: (?P<name>\S+)",
          "{what} parser {name} does not exist in this vLLM",
          "fix the parser name in VLLM_TOOL_CHOICE"),
@@ -268,14 +279,21 @@ SIGNATURES: tuple[Signature, ...] = (
     _sig("triton-lds-overflow",
          r"out of resource: shared memory, Required: (?P<need>\d+), Hardware limit: (?P<limit>\d+)",
          "a Triton kernel asked for {need} bytes of shared memory (LDS) where the GPU has {limit}",
-         "use another attention backend (ATTENTION_BACKEND=TRITON_ATTN) or a smaller KV block size",
+         "use another attention backend ({backends}) or a smaller KV block size",
          amd="on RDNA (64 KiB LDS) this is AITER's unified_attention (ROCm/aiter#5229): pin an AITER "
              "with the RDNA LDS guard (ROCm/aiter#4868, in AITER_REF v0.1.24.post1 with the stack's "
-             "patches/aiter), or use ATTENTION_BACKEND=TRITON_ATTN"),
+             "patches/aiter), or use {backends}",
+         # TRITON_ATTN's own kernel is vLLM's Triton unified_attention: on it, another family.
+         backends={"": ("TRITON_ATTN", "FLASH_ATTN"), "amd": ("TRITON_ATTN", "ROCM_ATTN")}),
     # The HSA runtime's line in the engine's own output (ROCm/legacy-rocm-build#6157) and the
-    # kernel's (#5890, #6630: gfx1201 on AMD's rocm/vllm RDNA image, ROCm 7.14, first request).
+    # kernel's (#5890). The R9700 row's own text, on AMD's rocm/vllm ROCm 7.14 RDNA image at the
+    # first request (https://github.com/ROCm/legacy-rocm-build/issues/6413, the run #6630 also
+    # reports; tests/data/rdna4/page-fault-r9700-rdna-image.log):
+    #   amdgpu 0000:07:00.0: [gfxhub] page fault (src_id:0 ring:24 vmid:8 pasid:41)
+    # Older GMC blocks number the hub and say `[gfxhub0] no-retry page fault` (ROCm/amdgpu#172).
     _sig("gpu-page-fault",
-         r"Memory access fault by GPU node-\d+ .*Reason: (?P<why>[^.]+)|\[gfxhub\] page fault",
+         r"Memory access fault by GPU node-\d+ .*Reason: (?P<why>[^.]+)|"
+         r"\[gfxhub\d?\] (?:no-retry )?page fault \(src_id:\d+ ring:\d+",
          "the GPU faulted on a memory access (a page fault) and the runtime aborted the engine",
          "read `sudo dmesg | grep -i fault` for the faulting process; check the driver and "
          "kernel against the engine's runtime",
@@ -337,10 +355,11 @@ NATIVE_CRASH_FIX = {
 
 
 def diagnose(lines: Sequence[str], exit_code: int | None = None,
-             vendor: str | None = None) -> Diagnosis:
+             vendor: str | None = None, backend: str | None = None) -> Diagnosis:
     """The best explanation for a dead engine, from its log lines (oldest first).
 
-    `vendor` (GPU_VENDOR: amd, nvidia, none) picks the vendor's own fix where fixes differ.
+    `vendor` (GPU_VENDOR: amd, nvidia, none) picks the vendor's own fix where fixes differ;
+    `backend` (ATTENTION_BACKEND) is left out of the backends a fix offers.
     """
     crashed = exit_code in (134, 139) or (exit_code is not None and exit_code < 0)
     for signature in SIGNATURES:
@@ -354,8 +373,10 @@ def diagnose(lines: Sequence[str], exit_code: int | None = None,
             match = signature.pattern.search(line)
             if match:
                 groups = {k: (v or "").strip() for k, v in match.groupdict().items()}
-                return Diagnosis(signature.code, signature.cause.format(**groups),
-                                 signature.fix_for(vendor).format(**groups), line, number)
+                fix = signature.fix_for(vendor).format(
+                    **groups, backends=signature.backends_for(vendor, backend))
+                return Diagnosis(signature.code, signature.cause.format(**groups), fix, line,
+                                 number)
     if crashed:
         return Diagnosis("native-crash",
                          f"the engine crashed in native code (exit code {exit_code}) before logging "

@@ -266,7 +266,8 @@ def _boot(stack: Stack, notes: list[str], *, dashboard: bool, timeout: float | N
                                   vendor=resolved.get_str("GPU_VENDOR"),
                                   secrets=resolved.secrets(),
                                   loading_503=engine_kind(resolved).loading_503,
-                                  tensor_parallel=resolved.get_int("VLLM_TP"))
+                                  tensor_parallel=resolved.get_int("VLLM_TP"),
+                                  backend=resolved.get("ATTENTION_BACKEND"))
         booting = False
         print(f"healthy after {boot:.1f} s", file=out)
         warm = warm_up(stack.url, stack.served_name)

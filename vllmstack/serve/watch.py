@@ -148,10 +148,12 @@ def wait_until_healthy(
     secrets: Sequence[str] = (),
     loading_503: bool = False,
     tensor_parallel: int = 1,
+    backend: str | None = None,
 ) -> float:
     """Return seconds until /health said 200. Raise LifecycleError with a diagnosis otherwise.
 
-    `vendor` (GPU_VENDOR) picks the diagnosis' vendor-specific fixes. Every log line shown is
+    `vendor` (GPU_VENDOR) picks the diagnosis' vendor-specific fixes, and `backend`
+    (ATTENTION_BACKEND) is never offered as one. Every log line shown is
     masked with `secrets` (vLLM logs its non-default args, an --api-key among them).
     `loading_503`: the engine answers 503 while it loads (llama-server does); vLLM answers only
     once loaded, so there a 503 means its engine core died.
@@ -172,13 +174,14 @@ def wait_until_healthy(
             if lines != previous:
                 changed_at = elapsed
             if not state.running or state.restart_count > restarts or state.status == "restarting":
-                raise _engine_died(engine, state, elapsed, vendor=vendor, secrets=secrets)
+                raise _engine_died(engine, state, elapsed, vendor=vendor, secrets=secrets,
+                                   backend=backend)
             status = health(url)
             if status == 200:
                 return elapsed
             if status == 503 and not loading_503:
                 raise _engine_died(engine, state, elapsed, health_503=True, vendor=vendor,
-                                   secrets=secrets)
+                                   secrets=secrets, backend=backend)
             progress.show(elapsed, phase_of(lines, progress.phase or "starting"), lines)
             if elapsed > timeout:
                 tail = _masked(engine.log_lines(30), secrets)
@@ -214,9 +217,9 @@ def _masked(lines: list[str], secrets: Sequence[str]) -> list[str]:
 
 def _engine_died(engine: EngineRuntime, state: EngineState, elapsed: float,
                  health_503: bool = False, vendor: str | None = None,
-                 secrets: Sequence[str] = ()) -> LifecycleError:
+                 secrets: Sequence[str] = (), backend: str | None = None) -> LifecycleError:
     lines = _masked(engine.log_lines(DIAGNOSIS_LINES), secrets)
-    found = diagnosis.diagnose(lines, state.exit_code, vendor)
+    found = diagnosis.diagnose(lines, state.exit_code, vendor, backend)
     full = state.details.get("disk_full")
     if full and found.code == "unknown":
         # The log holds nothing because nothing more could be written to it.
