@@ -12,7 +12,7 @@ import pytest
 from vllmstack.checks import rdna4
 from vllmstack.checks.host.amd import check_rocm
 from vllmstack.checks.host.model import PASS, SKIP, WARN, HostView, UserIds
-from vllmstack.checks.registry import run_checks
+from vllmstack.checks.registry import check_profile, run_checks
 from vllmstack.config.profiles import resolve
 from vllmstack.core.findings import Finding
 from vllmstack.core.paths import Project
@@ -207,6 +207,14 @@ def test_up_refuses_an_image_without_the_cards_arch_before_any_engine_command(
     assert runner.calls == [("docker", "compose", "version"),
                             ("docker", "image", "inspect", "--format", "{{json .Config.Labels}}",
                              resolved.get_str("VLLM_IMAGE"))]
+
+
+def test_check_refuses_the_same_image_through_the_same_rules(project: Project) -> None:
+    resolved = resolve(project, model="qwen3.8-27b", platform="2xr9700")
+    findings = check_profile(project, resolved, {}, label_runner({PIN_LABEL + "gpu_arch": "gfx1100"}))
+    assert "image-lacks-arch" in codes(findings)
+    built = check_profile(project, resolved, {}, label_runner({PIN_LABEL + "gpu_arch": "gfx1201"}))
+    assert "image-lacks-arch" not in codes(built)
 
 
 def test_up_passes_an_image_built_for_the_card_and_reads_podmans_own_store(
