@@ -59,6 +59,7 @@ from vllmstack.router.states import (
     LoadFailedError,
     RouterBusyError,
 )
+from vllmstack.router.tiers import STOPPED, Move
 
 __all__ = ["DRAIN_TIMEOUT_S", "EngineManager", "Lifecycle", "LoadFailedError", "Loaded",
            "RouterBusyError"]
@@ -277,7 +278,7 @@ class EngineManager(Pool):
                   and (entry is None or m.entry is entry)]
         if not chosen:
             return []
-        stop = Arrangement(None, stop=tuple(m.id for m in chosen))
+        stop = Arrangement.of(None, [Move(m.id, self.tier(m), STOPPED) for m in chosen])
         await asyncio.shield(self.start(swaps.switch(self, None, stop, reason)))
         return [m.entry for m in chosen]
 
@@ -309,7 +310,7 @@ class EngineManager(Pool):
             ttl = member.entry.ttl
             if ttl and member.started and now - member.last_used >= ttl:
                 self.say(f"{member.id} idle for {ttl:g} s: unloading")
-                stop = Arrangement(None, stop=(member.id,))
+                stop = Arrangement.of(None, [Move(member.id, self.tier(member), STOPPED)])
                 await asyncio.shield(self.start(swaps.switch(self, None, stop, "idle")))
                 if member.started:  # the stop failed (said): tried again after another TTL
                     member.last_used = self.clock()

@@ -3,7 +3,8 @@
 Per profile: how it swaps (ROUTER_SWAP, its engine, the platform's GPU vendor, whether the
 runtime runs several engines), its budget (VLLM_GPU_MEM_UTIL x the card), its weights (the host
 RAM a sleeping vLLM backs them up in: MODEL_WEIGHT_GIB, the files on disk, or config.json's
-geometry), what its sleep frees (ROUTER_SLEEP_FREES, plan.choose_frees), and what
+geometry), the tiers it may sleep in (ROUTER_SLEEP_FREES and its engine,
+tiers.sleep_tiers), and what
 generated/router/memory.json measured (its residue asleep, or why its sleep falls back to
 restart). The card is what the stack's GPU probe reads (nvidia-smi, sysfs, or
 GPU_MEMORY_DIR); nothing is started to build the plan.
@@ -18,21 +19,20 @@ from pathlib import Path
 from vllmstack.config.modelinfo import load_model_facts
 from vllmstack.core.paths import Project
 from vllmstack.router.catalog import Catalog
+from vllmstack.router.history import apply_store, read_store
 from vllmstack.router.plan import (
     GIB,
     KV,
     LRU,
-    MARGIN,
     SLEEP,
     Need,
     Plan,
     View,
-    apply_store,
-    choose_frees,
     host_limit,
-    read_store,
+    keeps_weights,
     swap_mode,
 )
+from vllmstack.router.tiers import KV_RELEASED, sleep_tiers
 from vllmstack.runtime.gpu import GpuMemory
 
 
@@ -59,20 +59,26 @@ def build_plan(project: Project, catalog: Catalog, environ: Mapping[str, str], *
                 util = min(1.0, round((weights * 1.2 + 2) * GIB / card, 3))
         needs[entry.id] = Need(entry.id, entry.profile, mode, why, util, gpus, int(weights * GIB))
     baseline = max((c.used_bytes for c in cards), default=0) if cards else 0
-    capacity = None if card is None else max(0, card - baseline - MARGIN)
-    frees, frees_why = choose_frees(needs, capacity, card, first.get_str("ROUTER_SLEEP_FREES")
-                                    or "auto", first.get_str("GPU_VENDOR"))
+    setting = first.get_str("ROUTER_SLEEP_FREES") or "auto"
+    whys: list[str] = []
     for id_, need in needs.items():
-        if need.mode == SLEEP and frees == KV:
-            need = replace(need, frees=KV, residue=need.kept_asleep)  # until measured
+        keeps, why = keeps_weights(need, card, first.get_str("GPU_VENDOR"))
+        tiers = sleep_tiers(need.mode != SLEEP, setting, keeps)
+        if KV_RELEASED in tiers:  # started with the plugin; its residue its weights, until measured
+            need = replace(need, frees=KV, residue=need.kept_asleep, tiers=tiers)
+        else:
+            need = replace(need, tiers=tiers)
+        if need.mode == SLEEP and setting == "auto" and not keeps:
+            whys.append(f"{id_}: {why}")
         needs[id_] = apply_store(need, store.get(need.profile, {}))
     plan = Plan(needs, card, baseline,
                 host_limit(first.get_float("ROUTER_HOST_RAM_GIB"), meminfo),
                 first.get_str("ROUTER_EVICT") or LRU,
                 exclusive=not several or card is None)
     if any(n.mode == SLEEP for n in needs.values()):
-        plan.notes.append(f"sleep frees {'the KV cache only' if frees == KV else 'the weights too'}"
-                          f": {frees_why}")
+        plan.notes.append(f"sleep tiers (ROUTER_SLEEP_FREES={setting}): the plan moves engines "
+                          "one tier deeper, cheapest loss first"
+                          + (f"; level 1 only for {'; '.join(whys)}" if whys else ""))
     return plan
 
 
