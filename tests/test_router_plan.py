@@ -186,7 +186,7 @@ def test_the_plan_is_printed_with_what_does_not_fit() -> None:
     shown = render_plan(huge, Catalog("nvidia", {}, {}))
     assert "40.0 GiB per card" in shown and "DOES NOT FIT: d needs 38.0 GiB" in shown
     assert "asking for a: awake beside d" not in shown
-    assert "asking for a: asleep: d" in shown
+    assert "asking for a: moves: d -> asleep" in shown and "asleep 1.00s" in shown
 
 
 def test_check_warns_when_sleep_is_forced_where_vllm_does_not_sleep(project: Project) -> None:

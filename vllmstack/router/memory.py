@@ -32,7 +32,7 @@ from vllmstack.router.plan import (
     keeps_weights,
     swap_mode,
 )
-from vllmstack.router.tiers import KV_RELEASED, sleep_tiers
+from vllmstack.router.tiers import HOST, KV_RELEASED, Tier, sleep_tiers
 from vllmstack.runtime.gpu import GpuMemory
 
 
@@ -96,25 +96,33 @@ def render_plan(plan: Plan, catalog: Catalog) -> str:
             "no reading of the card's memory" if plan.card is None else
             "this runtime runs one engine per checkout"))
     lines += plan.notes
-    lines.append(f"{'model':<24} {'swap':<8} {'frees':<5} {'util':>5} {'budget':>8} "
-                 f"{'asleep':>8} {'host':>7}  why")
+    lines.append(f"{'model':<24} {'swap':<8} {'util':>5} {'budget':>8} {'kv-rel.':>8} "
+                 f"{'asleep':>8} {'host':>7}  tiers (expected swap back)  why")
     for need in plan.needs.values():
         budget = (f"{plan.budget(need.id) * need.gpus / GIB:.1f}G" if plan.card else "-")
-        asleep = (f"{need.residue * need.gpus / GIB:.1f}G" + ("" if need.measured else "*")
-                  if need.mode == SLEEP else "-")
-        host = (f"{need.backup / GIB:.1f}G" if need.host else "?") if need.mode == SLEEP else "-"
-        frees = need.frees if need.mode == SLEEP else "-"
-        lines.append(f"{need.id[:24]:<24} {need.mode:<8} {frees:<5} {need.util:>5g} {budget:>8} "
-                     f"{asleep:>8} {host:>7}  {need.why}")
-    lines.append("(* not measured yet: 2 GiB per card assumed until its first sleep)")
+        tiers = need.sleep_tiers
+
+        def held(tier: Tier, need: Need = need, tiers: tuple[Tier, ...] = tiers) -> str:
+            if tier not in tiers:
+                return "-"
+            return (f"{need.residue_at(tier) * need.gpus / GIB:.1f}G"
+                    + ("" if need.measured_at(tier) else "*"))
+
+        host = (f"{need.host / GIB:.1f}G" if need.host else "?") if HOST in tiers else "-"
+        ladder = ", ".join(f"{t} {need.wake_s(t):.2f}s" for t in tiers)
+        ladder = (ladder + ", " if ladder else "") + "stopped: a start"
+        lines.append(f"{need.id[:24]:<24} {need.mode:<8} {need.util:>5g} {budget:>8} "
+                     f"{held(KV_RELEASED):>8} {held(HOST):>8} {host:>7}  {ladder}  {need.why}")
+    lines.append("(* not measured yet: 2 GiB per card assumed, plus the weights kv-released; swap "
+                 "times are this host's medians, else the H200 figures of docs/router.md)")
     for target in plan.needs:
         others = [View(i, awake=True, util=None, last_used=0.0) for i in plan.needs if i != target]
         arrangement = plan.arrange(target, others, now=0.0)
         awake = [i for i in plan.needs if i != target and i not in arrangement.put_away]
+        moved = [f"{m.member} -> {m.to}" for m in arrangement.moves]
         text = (f"asking for {target}: "
                 + (f"awake beside {', '.join(awake)}; " if awake else "")
-                + (f"asleep: {', '.join(arrangement.sleep)}; " if arrangement.sleep else "")
-                + (f"stopped: {', '.join(arrangement.stop)}; " if arrangement.stop else "")
+                + (f"moves: {', '.join(moved)}; " if moved else "")
                 + (f"started at gpu_memory_utilization {arrangement.util:g}"
                    if arrangement.util is not None else ""))
         if not arrangement.fits:
