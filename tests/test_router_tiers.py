@@ -325,3 +325,15 @@ def test_the_plan_endpoint_needs_the_routers_token() -> None:
                             timeout=10).status_code == 401
         assert requests.get(plan, headers={"Authorization": "Bearer t0ken"},
                             timeout=10).status_code == 200
+
+
+def test_a_tier_that_would_free_nothing_is_skipped_for_the_next_one_down() -> None:
+    # 3 GiB of weights and 2 GiB kept kv-released hold more than its 4.8 GiB budget awake:
+    # giving way, it goes straight to level 1 (found over the simulators: it was left awake).
+    card = 16 * GIB
+    needs = {n: replace(Need(n, n, SLEEP, "test", 0.3, 1, 3 * GIB, tiers=(Tier.KV, Tier.HOST)),
+                        frees=KV, residue=5 * GIB) for n in "abcd"}
+    views = [View(n, True, 0.3, float(i)) for i, n in enumerate("abc")]
+    arrangement = Plan(needs, card, 0, 0).arrange("d", views, now=5.0)
+    assert arrangement.fits and arrangement.moves == (Move("a", Tier.AWAKE, Tier.HOST),
+                                                      Move("b", Tier.AWAKE, Tier.HOST))

@@ -279,6 +279,8 @@ class Plan:
                         not stopping and frm == HOST):
                     continue
                 to = STOPPED if stopping else deeper(self.needs[i].sleep_tiers, frm)
+                while to != STOPPED and self.held(v, to) >= self.held(v, frm):
+                    to = deeper(self.needs[i].sleep_tiers, to)  # this tier would free nothing
                 if frm != AWAKE and not stopping and (to == STOPPED or used() - self.held(
                         v, frm) + self.budget(i, v.util) > capacity):
                     continue  # deeper is a stop, or its deepening's wake has no room now

@@ -114,7 +114,8 @@ def snapshot(pool: Pool) -> dict[str, Any]:
         need, tier = plan.needs[member.id], pool.tier(member)
         budget = plan.budget(member.id, member.util) * need.gpus if plan.card else None
         engines[member.id] = {
-            "state": member.state, "url": member.url, "swap": member.mode, "why": member.why,
+            "state": member.state, "profile": member.entry.profile, "url": member.url,
+            "swap": member.mode, "why": member.why,
             "util": member.util, "primed": member.primed, "inflight": member.inflight,
             "gpu_gib": round((budget if member.ready else need.residue_at(tier) * need.gpus
                               if member.asleep else 0) / GIB, 2) if budget is not None else None,
