@@ -216,8 +216,8 @@ async def make_room(pool: Pool, member: Member, util: float | None, swap: Swap, 
         used = cards[:max(1, need.gpus)]
         total, free = min(c.total_bytes for c in used), min(c.free_bytes for c in used)
         share = util if util is not None else need.util
-        want = (int(total * (member.util or share)) - (member.residue or need.residue)
-                if waking else int(total * share))
+        held = member.residue or need.residue_at(pool.tier(member))  # what it holds asleep
+        want = int(total * (member.util or share)) - held if waking else int(total * share)
         if free - MARGIN >= want:
             return util
         room = int((free - MARGIN) / total * 1000) / 1000
