@@ -337,3 +337,28 @@ def test_a_tier_that_would_free_nothing_is_skipped_for_the_next_one_down() -> No
     arrangement = Plan(needs, card, 0, 0).arrange("d", views, now=5.0)
     assert arrangement.fits and arrangement.moves == (Move("a", Tier.AWAKE, Tier.HOST),
                                                       Move("b", Tier.AWAKE, Tier.HOST))
+
+
+def test_an_adopted_sleeping_engine_keeps_the_tier_its_last_sleep_went_to() -> None:
+    """A router started beside engines a router before it left asleep: the file the router
+    writes before each sleep says whether that one kept its weights (kv) or backed them up."""
+
+    class Left(TierCard):
+        def adoptable(self, catalog: Catalog) -> list[Adopted]:
+            return [Adopted(catalog.entries["q8a"], "http://127.0.0.1:1/q8a", True, 0.25, True,
+                            "all"),
+                    Adopted(catalog.entries["q8b"], "http://127.0.0.1:1/q8b", True, 0.25, True,
+                            "kv"),
+                    Adopted(catalog.entries["q4"], "http://127.0.0.1:1/q4", True, 0.15, True)]
+
+    entries = {name: entry(name) for name in SIX}
+    manager = EngineManager(catalog(*entries.values()), Left(CARD, {}),
+                            plan=Plan(six_needs(), CARD, 0, 0))
+
+    async def go() -> None:
+        await manager.adopt()
+        tiers = {m: manager.tier(manager.members[m]) for m in ("q8a", "q8b", "q4", "q06")}
+        # q4 without a file: its profile's first sleep tier (level 1: it may sleep only there).
+        assert tiers == {"q8a": Tier.HOST, "q8b": Tier.KV, "q4": Tier.HOST, "q06": Tier.STOPPED}
+
+    run(go)

@@ -59,7 +59,7 @@ from vllmstack.router.states import (
     LoadFailedError,
     RouterBusyError,
 )
-from vllmstack.router.tiers import STOPPED, Move
+from vllmstack.router.tiers import STOPPED, Move, Tier
 
 __all__ = ["DRAIN_TIMEOUT_S", "EngineManager", "Lifecycle", "LoadFailedError", "Loaded",
            "RouterBusyError"]
@@ -91,10 +91,12 @@ class EngineManager(Pool):
                 member.why = ("adopted, started without sleep mode: it restarts until it is "
                               "stopped, then sleeps from its next start")
             member.last_used = member.last_ok = self.clock()
+            if adopted.asleep:  # its tier: what its last sleep freed, where the file says so
+                member.slept_in = {"kv": Tier.KV, "all": Tier.HOST}.get(adopted.frees or "")
             self.set_state(member, ASLEEP if adopted.asleep else READY)
             self.shown = member if not adopted.asleep else self.shown or member
             self.say(f"adopted the running engine of profile {adopted.entry.profile} "
-                     f"({adopted.entry.id}, {'asleep' if adopted.asleep else 'awake'}) at "
+                     f"({adopted.entry.id}, {self.tier(member)}) at "
                      f"{adopted.url}")
         return [a.entry for a in found]
 

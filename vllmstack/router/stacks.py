@@ -251,6 +251,15 @@ class StackLifecycle:
     def frees_path(self, entry: Entry) -> Path:
         return self.project.generated / ROUTER_DIR / f"{entry.profile}.sleep-frees"
 
+    def _last_frees(self, entry: Entry) -> str | None:
+        """What its last sleep was told to free (kv, all), from the file the router writes
+        before each sleep; None for an engine started without the plugin."""
+        try:
+            words = self.frees_path(entry).read_text(encoding="utf-8")[:64].split()
+        except OSError:
+            return None
+        return words[0] if words and words[0] in (KV, ALL) else None
+
     def _say_frees(self, entry: Entry, frees: str) -> None:
         path = self.frees_path(entry)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -332,7 +341,8 @@ class StackLifecycle:
                 if stack.engine.state().running and health_status(entry.url) == 200:
                     sleeping = is_sleeping(entry.url)
                     found.append(Adopted(entry, entry.url, sleeping is True,
-                                         recorded_util(state), sleeping is not None))
+                                         recorded_util(state), sleeping is not None,
+                                         self._last_frees(entry)))
         return found
 
 

@@ -124,6 +124,7 @@ class Adopted:
     asleep: bool = False
     util: float | None = None
     sleep_mode: bool = True  # started able to sleep (its dev-mode /is_sleeping answers)
+    frees: str | None = None  # what its last sleep freed (kv, all; None: not known)
 
 
 class Lifecycle(Protocol):
