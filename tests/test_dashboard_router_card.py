@@ -31,8 +31,10 @@ HEALTH = {
                "tiny-gguf": {"state": "unloaded"}},
     "awake": ["qwen3-0.6b"], "asleep": ["qwen3-8b"],
     "engines": {
-        "qwen3-0.6b": {"state": "ready", "swap": "sleep", "gpu_gib": 58.72, "host_gib": 0.0},
-        "qwen3-8b": {"state": "asleep", "swap": "sleep", "gpu_gib": 1.3, "host_gib": 15.26},
+        "qwen3-0.6b": {"state": "ready", "swap": "sleep", "gpu_gib": 58.72, "host_gib": 0.0,
+                       "tier": "awake", "swap_s": 0.0},
+        "qwen3-8b": {"state": "asleep", "swap": "sleep", "gpu_gib": 1.3, "host_gib": 15.26,
+                     "tier": "asleep", "swap_s": 0.7},
         "tiny-gguf": {"state": "unloaded", "swap": "restart", "gpu_gib": 0, "host_gib": 0}},
     "plan": {"card_gib": 139.8, "capacity_gib": 138.8, "host_limit_gib": 1000.0,
              "policy": "lru", "exclusive": False},
@@ -90,8 +92,9 @@ def test_the_router_card_shows_each_engine_and_the_split_of_each_swap(page_url: 
             "#router-swaps tr", "rows => rows.map(r => [...r.cells].map(c => c.textContent))")
         plan = page.text_content("#router-plan")
         browser.close()
-    # The loaded engines, awake and asleep (an unloaded one is not listed), with their memory.
-    assert engines == [["qwen3-0.6b", "awake", "sleep", "58.72", "0"],
-                       ["qwen3-8b", "asleep", "sleep", "1.3", "15.26"]]
+    # The loaded engines, awake and asleep (an unloaded one is not listed), with their tier, the
+    # swap back it expects from there, and their memory.
+    assert engines == [["qwen3-0.6b", "awake", "sleep", "awake", "58.72", "0"],
+                       ["qwen3-8b", "asleep", "sleep", "asleep (0.70 s)", "1.3", "15.26"]]
     assert swaps == [["qwen3-8b → qwen3-0.6b", "0.07", "0.00", "0.38", "0.00", "0.16", "yes"]]
     assert plan is not None and "139.8 GiB card" in plan and "evict lru" in plan

@@ -99,7 +99,8 @@ print(json.dumps(out))
 """
 
 
-def run_scenario(tmp_path: Path, *, env_value: str | None) -> dict[str, object]:
+def run_scenario(tmp_path: Path, *, env_value: str | None,
+                 frees_file: Path | None = None) -> dict[str, object]:
     for name, text in FAKE_VLLM.items():
         path = tmp_path / "fake" / name
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -108,6 +109,9 @@ def run_scenario(tmp_path: Path, *, env_value: str | None) -> dict[str, object]:
     env["PYTHONPATH"] = f"{tmp_path / 'fake'}:{PLUGINS}"
     if env_value is not None:
         env["VLLMSTACK_SLEEP_FREES"] = env_value
+    env.pop("VLLMSTACK_SLEEP_FREES_FILE", None)
+    if frees_file is not None:
+        env["VLLMSTACK_SLEEP_FREES_FILE"] = str(frees_file)
     result = subprocess.run([sys.executable, "-c", SCENARIO], env=env, capture_output=True,
                             text=True, timeout=60, check=False)
     assert result.returncode == 0, result.stderr
@@ -126,6 +130,22 @@ def test_a_kv_sleep_releases_the_kv_cache_and_keeps_the_weights_mapped(tmp_path:
     assert out["cycle"] == [["unmap", 60], ["unmap", 4], ["map", 60], ["map", 4]]
     # Level 2 is vLLM's own.
     assert out["level2"] == [["vllm-suspend", 2]]
+
+
+def test_the_routers_file_makes_a_sleep_back_the_weights_up_as_vllms_level_1(
+        tmp_path: Path) -> None:
+    """The tier `asleep` for an engine started kv-able: the router writes `all` before /sleep,
+    and that sleep is vLLM's own level 1 (weights to host RAM); `kv` there is the plugin's."""
+    said = tmp_path / "a.sleep-frees"
+    said.write_text("all\n")
+    out = run_scenario(tmp_path, env_value="kv", frees_file=said)
+    assert out["class"] == "KeepWeightsBackend"
+    assert out["after_sleep"] == [["vllm-suspend", 1]] and out["asleep"] == []
+    said.write_text("kv\n")
+    assert run_scenario(tmp_path, env_value="kv", frees_file=said)["asleep"] == [200, 300]
+    # A file that cannot be read is the plugin's own sleep, never a crash in the engine.
+    missing = run_scenario(tmp_path, env_value="kv", frees_file=tmp_path / "gone")
+    assert missing["asleep"] == [200, 300]
 
 
 @pytest.mark.parametrize("env_value", [None, "all", ""])

@@ -69,7 +69,7 @@ class FakeLifecycle:
             return [Adopted(self.adopt, self.adopt.url)]
         return []
 
-    def sleep(self, entry: Entry) -> Slept:
+    def sleep(self, entry: Entry, frees: str = "all") -> Slept:
         raise AssertionError("one engine at a time never sleeps")
 
     def wake(self, entry: Entry) -> float:

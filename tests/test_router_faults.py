@@ -154,7 +154,7 @@ class Fleet:
     def adoptable(self, catalog: Catalog) -> list[Adopted]:
         return []
 
-    def sleep(self, entry: Entry) -> Slept:
+    def sleep(self, entry: Entry, frees: str = "all") -> Slept:
         self.calls.append(("sleep", entry.id))
         engine = self.engines[entry.id]
         if engine.dead.is_set():
@@ -404,7 +404,7 @@ def test_an_engine_that_breaks_off_a_stream_and_dies_is_marked_failed_and_loaded
 def test_an_engine_that_dies_in_its_first_sleep_fails_its_load_instead_of_serving() -> None:
     # Issue 35: a failed sleep set READY ("restart until it is started again") on a dead engine.
     class Dying(Fleet):
-        def sleep(self, entry: Entry) -> Slept:
+        def sleep(self, entry: Entry, frees: str = "all") -> Slept:
             self.engines[entry.id].kill()  # its process dies in the sleep
             return super().sleep(entry)
 

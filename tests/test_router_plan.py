@@ -22,10 +22,10 @@ from vllmstack.core.errors import StackError
 from vllmstack.core.paths import Project
 from vllmstack.router.catalog import Catalog, Entry
 from vllmstack.router.engines import EngineManager
+from vllmstack.router.history import apply_store
 from vllmstack.router.limits import Limits
 from vllmstack.router.memory import render_plan
 from vllmstack.router.plan import (
-    ALL,
     DEFAULT_RESIDUE,
     GIB,
     KV,
@@ -35,14 +35,14 @@ from vllmstack.router.plan import (
     Need,
     Plan,
     View,
-    apply_store,
-    choose_frees,
     exclusive_plan,
     host_limit,
     judge_sleep,
+    keeps_weights,
     swap_mode,
 )
 from vllmstack.router.states import Adopted, Loaded, Slept
+from vllmstack.router.tiers import Move, Tier, sleep_tiers
 from vllmstack.runtime.gpu import GpuMemory
 
 CARD = 40 * GIB
@@ -76,11 +76,21 @@ def test_the_awake_engine_sleeps_only_when_both_do_not_fit() -> None:
     assert together.put_away == frozenset() and together.fits  # profiles that fit stay awake
 
 
-def test_a_restart_engine_is_stopped_and_the_least_recently_used_goes_first() -> None:
+def test_the_cheapest_loss_gives_way_first_and_the_policy_breaks_ties() -> None:
     three = plan(need("a", 0.45), need("b", 0.45, RESTART), need("c", 0.45))
-    # a used at 5, b at 3: b (least recent) gives way first, and b restarts: stopped.
+    # b is the least recently used, but stopping it costs its next request a load (60 s until
+    # measured) where a's sleep costs a wake (1 s): a sleeps.
     arrangement = three.arrange("c", [awake("a", 5.0, 0.45), awake("b", 3.0, 0.45)], now=9.0)
-    assert (arrangement.sleep, arrangement.stop) == ((), ("b",))
+    assert (arrangement.sleep, arrangement.stop) == (("a",), ())
+    assert arrangement.moves == (Move("a", Tier.AWAKE, Tier.HOST),)
+    # A restart engine that loads in half a second (llama.cpp) is the cheaper one to stop.
+    quick = three.arrange("c", [awake("a", 5.0, 0.45), awake("b", 3.0, 0.45, load_s=0.5)],
+                          now=9.0)
+    assert (quick.sleep, quick.stop) == ((), ("b",))
+    # Two restart engines cost the same: the least recently used is stopped.
+    both = plan(need("a", 0.45, RESTART), need("b", 0.45, RESTART), need("c", 0.45))
+    assert both.arrange("c", [awake("a", 5.0, 0.45), awake("b", 3.0, 0.45)],
+                        now=9.0).stop == ("b",)
 
 
 def test_a_fresh_start_asks_for_what_is_left_beside_the_sleeping_residues() -> None:
@@ -176,7 +186,7 @@ def test_the_plan_is_printed_with_what_does_not_fit() -> None:
     shown = render_plan(huge, Catalog("nvidia", {}, {}))
     assert "40.0 GiB per card" in shown and "DOES NOT FIT: d needs 38.0 GiB" in shown
     assert "asking for a: awake beside d" not in shown
-    assert "asking for a: asleep: d" in shown
+    assert "asking for a: moves: d -> asleep" in shown and "asleep 1.00s" in shown
 
 
 def test_check_warns_when_sleep_is_forced_where_vllm_does_not_sleep(project: Project) -> None:
@@ -242,7 +252,7 @@ class FakeCard:
     def adoptable(self, catalog: Catalog) -> list[Adopted]:
         return []
 
-    def sleep(self, entry: Entry) -> Slept:
+    def sleep(self, entry: Entry, frees: str = "all") -> Slept:
         with self.lock:
             self.calls.append(("sleep", entry.id))
             before = sum(self.held.values())
@@ -287,8 +297,11 @@ def test_swaps_sleep_and_wake_and_the_card_never_holds_more_than_it_has() -> Non
         manager, remembered = sleeping_pool(card, A, B)
         await manager.load(A, 5)  # no client waits: its first sleep is paid at load
         assert card.calls == [("load", "a"), ("sleep", "a"), ("wake", "a")]
-        assert remembered == [{"profile": "a", "residue_bytes": GIB, "util": None,
-                               "frees": "all"}]
+        # its load time, its residue and its wake time, each under its tier
+        assert [(tier, list(figures)) for r in remembered
+                for tier, figures in r["tiers"].items()] == [  # type: ignore[attr-defined]
+            ("stopped", ["wake_s"]), ("asleep", ["residue_bytes"]), ("asleep", ["wake_s"])]
+        assert remembered[1]["tiers"] == {"asleep": {"residue_bytes": GIB}}
         for model in (B, A, B, A):
             await manager.acquire(model, 5)
             manager.release(model)
@@ -422,7 +435,7 @@ def test_the_stand_in_card_counts_only_live_processes(tmp_path: Path) -> None:
 
 def test_a_sleep_that_fails_keeps_the_engine_and_restarts_it_only_until_it_stops() -> None:
     class NoDevMode(FakeCard):
-        def sleep(self, entry: Entry) -> Slept:
+        def sleep(self, entry: Entry, frees: str = "all") -> Slept:
             self.calls.append(("sleep", entry.id))
             raise StackError("the engine of a answered 404 to POST /sleep?level=1")
 
@@ -433,7 +446,8 @@ def test_a_sleep_that_fails_keeps_the_engine_and_restarts_it_only_until_it_stops
         await manager.load(A, 5)  # its first sleep fails: a stays awake and serves
         member = manager.members["a"]
         assert member.ready and member.mode == RESTART and member.temporary
-        assert remembered == []  # not the card's doing: nothing kept for later routers
+        # not the card's doing: nothing kept for later routers (its load time is)
+        assert not any("fallback" in r for r in remembered)
         await manager.acquire(B, 5)  # a is stopped, not put to sleep
         manager.release(B)
         assert ("unload", "a") in card.calls and member.state == "unloaded"
@@ -470,23 +484,20 @@ def test_a_load_pays_its_first_sleep_before_it_is_ready_and_nothing_primes_while
 # --- sleeps that free the KV cache only (ROUTER_SLEEP_FREES=kv) --------------------------------
 
 
-def test_auto_keeps_the_weights_on_the_card_only_where_every_budget_fits_beside_them() -> None:
-    capacity = CARD - GIB // 2
-    small, big = need("small", 0.5, host_gib=1.2), need("big", 0.5, host_gib=15.3)
-    # 40 GiB: 20 GiB for the 8B's budget beside the 0.6B's 3.2 asleep, and 20 beside 17.3.
-    frees, why = choose_frees({"small": small, "big": big}, capacity, CARD, "auto", "nvidia")
-    assert frees == KV and "the weights stay on the card" in why
-    # 0.75 x 40 = 30 GiB beside the 8B's 17.3 GiB asleep does not fit: weights go to host RAM.
-    frees, why = choose_frees({"small": replace(small, util=0.75), "big": big}, capacity, CARD,
-                              "auto", "nvidia")
-    assert frees == ALL and "small's budget (30.0 GiB)" in why and "17.3 GiB" in why
-    # Only on CUDA, only with every weight size known, and what is set wins.
-    assert choose_frees({"small": small}, capacity, CARD, "auto", "amd")[0] == ALL
-    assert choose_frees({"small": need("small", 0.6, host_gib=0)}, capacity, CARD, "auto",
-                        "nvidia") == (ALL, "ROUTER_SLEEP_FREES=auto: the weight size of small "
-                                           "is unknown")
-    assert choose_frees({"small": small}, capacity, CARD, "kv", "amd")[0] == KV
-    assert choose_frees({"small": small, "big": big}, capacity, CARD, "all", "nvidia")[0] == ALL
+def test_auto_lets_each_engine_keep_its_weights_where_it_can_and_what_is_set_wins() -> None:
+    small = need("small", 0.5, host_gib=1.2)
+    assert keeps_weights(small, CARD, "nvidia")[0]
+    # Only on CUDA, with a card reading and the weight size known.
+    assert keeps_weights(small, CARD, "amd") == (
+        False, "weights stay on the card on CUDA only (GPU_VENDOR=amd)")
+    assert not keeps_weights(small, None, "nvidia")[0]
+    assert keeps_weights(need("x", 0.5, host_gib=0), CARD, "nvidia") == (
+        False, "the weight size of x is unknown")
+    assert sleep_tiers(False, "auto", True) == (Tier.KV, Tier.HOST)
+    assert sleep_tiers(False, "auto", False) == (Tier.HOST,)
+    assert sleep_tiers(False, "kv", False) == (Tier.KV,)
+    assert sleep_tiers(False, "all", True) == (Tier.HOST,)
+    assert sleep_tiers(True, "auto", True) == ()  # a restart engine is stopped
 
 
 def test_a_kv_sleep_is_judged_against_what_it_should_free_and_holds_no_host_ram() -> None:
@@ -526,7 +537,8 @@ def test_the_pool_starts_kv_engines_so_and_two_weights_stay_beside_one_budget() 
             ("sleep", "a"), ("wake", "a"), ("sleep", "a"), ("sleep", "b"), ("wake", "b"),
             ("sleep", "b"), ("wake", "a"), ("sleep", "a"), ("wake", "b")]
         assert card.peak <= 24 * GIB + 7 * GIB  # one budget, one sleeper's weights and residue
-        assert {"profile": "a", "residue_bytes": 7 * GIB, "util": None, "frees": KV} in remembered
+        assert {"profile": "a", "tiers": {"kv-released": {"residue_bytes": 7 * GIB}},
+                "util": None} in remembered
         assert all(m.mode == SLEEP for m in manager.members.values())  # no fallback
         await manager.shutdown()
 

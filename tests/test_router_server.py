@@ -121,7 +121,7 @@ class FakeLifecycle:
     def adoptable(self, catalog: Catalog) -> list[Adopted]:
         return []
 
-    def sleep(self, entry: Entry) -> Slept:
+    def sleep(self, entry: Entry, frees: str = "all") -> Slept:
         raise AssertionError("one engine at a time never sleeps")
 
     def wake(self, entry: Entry) -> float:

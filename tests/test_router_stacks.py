@@ -97,8 +97,22 @@ def test_an_engine_whose_sleep_frees_the_kv_cache_only_gets_the_plugin(
         assert env["PYTHONPATH"] == f"{plugins}:/opt/mine"
         assert env["VLLMSTACK_SLEEP_FREES"] == "kv"
         assert (plugins / "vllmstack_sleep-1.0.dist-info" / "entry_points.txt").is_file()
+        # Where it reads what each sleep frees: kv at its start, what the router says before
+        # each /sleep (all: the tier `asleep`, its weights to host RAM).
+        said = loads.frees_path(entry)
+        assert env["VLLMSTACK_SLEEP_FREES_FILE"] == str(said) and said.read_text() == "kv\n"
+        posted: list[tuple[str, str]] = []
+        monkeypatch.setattr(loads, "_post", lambda e, path, what: posted.append(
+            (path, said.read_text())))
+        monkeypatch.setattr(loads, "probe", type("P", (), {"memory": staticmethod(lambda: None)}))
+        loads.sleep(entry, "all")
+        loads.sleep(entry, "kv")
+        assert posted == [("/sleep?level=1", "all\n"), ("/sleep?level=1", "kv\n")]
+        assert loads._last_frees(entry) == "kv"  # what a router adopting it reads its tier from
     else:
         assert env["PYTHONPATH"] == "/opt/mine" and "VLLMSTACK_SLEEP_FREES" not in env
+        assert "VLLMSTACK_SLEEP_FREES_FILE" not in env and not loads.frees_path(entry).exists()
+        assert loads._last_frees(entry) is None
     # Without a path of the profile's own, the router's is kept behind the plugin.
     bare = Entry("qwen3-0.6b", "qwen3-0.6b", "vllm",
                  resolve(project, platform="cpu", model="qwen3-0.6b", environ={}), 0.0)

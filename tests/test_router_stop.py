@@ -110,7 +110,7 @@ class Lifecycle:
         self._step("adopt")
         return [Adopted(catalog.entries[i], self.url, asleep) for i, asleep in self.adopt.items()]
 
-    def sleep(self, entry: Entry) -> Slept:
+    def sleep(self, entry: Entry, frees: str = "all") -> Slept:
         raise AssertionError("restart mode never sleeps")
 
     def wake(self, entry: Entry) -> float:

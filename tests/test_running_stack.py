@@ -109,6 +109,37 @@ def test_a_live_routers_resident_model_is_followed_a_dead_one_is_not(project: Pr
     assert running_selection(project) is None
 
 
+def test_status_shows_each_router_engines_tier_and_its_swap_back(project: Project) -> None:
+    """`invoke status`'s router part (issue 37): a live router's record gives each profile's
+    tier and the swap back it expects; a dead router's says nothing."""
+    from vllmstack.router.record import identity
+    from vllmstack.serve.running import router_tiers
+
+    project.generated.mkdir()
+    engines = {"qwen3-8b": {"profile": "qwen3-8b", "tier": "kv-released", "swap_s": 0.36},
+               "qwen3-0.6b": {"profile": "qwen3-0.6b", "tier": "awake", "swap_s": 0.0},
+               "odd": {"profile": 3, "tier": None}}
+    record = {**identity(), "platform": "cpu", "engines": engines}
+    (project.generated / ROUTER_FILE).write_text(json.dumps(record))
+    assert router_tiers(project) == {"qwen3-8b": {"tier": "kv-released", "swap_s": 0.36},
+                                     "qwen3-0.6b": {"tier": "awake", "swap_s": 0.0}}
+    report = {"healthy": False, "running": False, "state": "stopped", "profile": None,
+              "runtime": "native", "selected": {"profile": "x", "platform": "cpu"},
+              "url": "http://127.0.0.1:1", "model": None, "kv_cache_usage": None,
+              "containers": [], "engines": [
+                  {"name": "qwen3-8b", "state": "asleep", "profile": "qwen3-8b",
+                   "url": "http://127.0.0.1:8001", "tier": "kv-released", "swap_s": 0.36},
+                  {"name": "qwen3-0.6b", "state": "healthy", "profile": "qwen3-0.6b",
+                   "url": "http://127.0.0.1:8002", "tier": "awake", "swap_s": 0.0}]}
+    text = lifecycle.render_status(report)
+    assert ("engine qwen3-8b: asleep (profile qwen3-8b, http://127.0.0.1:8001; router tier "
+            "kv-released, swap back ~0.36 s)") in text
+    assert "engine qwen3-0.6b: healthy (profile qwen3-0.6b, http://127.0.0.1:8002; router " \
+           "tier awake)" in text
+    (project.generated / ROUTER_FILE).write_text(json.dumps({**record, "pid_start": -1}))
+    assert router_tiers(project) == {}
+
+
 def test_up_records_its_overrides_for_the_commands_that_follow(project: Project) -> None:
     from vllmstack.config.profiles import resolve
 

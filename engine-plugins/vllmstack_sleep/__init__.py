@@ -11,7 +11,11 @@ level-1 wake, which discards the same allocations (the prefix cache was cleared 
 
 Active only where the engine's environment says VLLMSTACK_SLEEP_FREES=kv: it then stands in for
 vLLM's default backend (`cumem`), since vLLM 0.27-0.32 have no flag to pick another. Level 2 is
-vLLM's own (the router never asks for it).
+vLLM's own (the router never asks for it). Where VLLMSTACK_SLEEP_FREES_FILE names a file, each
+level-1 sleep reads it first: `all` there makes that sleep vLLM's own level 1 (the weights backed
+up in host RAM: the router's tier `asleep`), anything else frees the KV cache only (`kv-released`).
+The router writes it before each /sleep, since the environment is fixed at the engine's start
+and /sleep takes nothing but its level.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import os
 from typing import Any
 
 ENV = "VLLMSTACK_SLEEP_FREES"
+FILE_ENV = "VLLMSTACK_SLEEP_FREES_FILE"
 FREED_TAG = "kv_cache"
 DEFAULT_BACKEND = "cumem"
 
@@ -50,7 +55,7 @@ def _backend_class() -> type:
         """Level 1 frees the KV cache only; everything else stays mapped on the card."""
 
         def suspend(self, level: int = 1) -> None:
-            if level != 1:
+            if level != 1 or asked_frees() == "all":
                 super().suspend(level)
                 return
             from vllm.device_allocator import get_mem_allocator_instance
@@ -68,6 +73,20 @@ def _backend_class() -> type:
             self._state = "RUNNING"
 
     return KeepWeightsBackend
+
+
+def asked_frees() -> str:
+    """What the router asked this sleep to free: the first word of VLLMSTACK_SLEEP_FREES_FILE
+    (kv where there is none, or it cannot be read: the plugin's own sleep)."""
+    path = os.environ.get(FILE_ENV, "")
+    if not path:
+        return "kv"
+    try:
+        with open(path, encoding="utf-8") as handle:
+            words = handle.read(64).split()
+    except OSError:
+        return "kv"
+    return words[0] if words else "kv"
 
 
 def release_tagged(allocator: Any, tag: str) -> tuple[int, int]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import threading
 import time
@@ -228,3 +229,43 @@ def listeners(port: int) -> list[str]:
                     found.append(address)
     return found
 
+
+
+@pytest.mark.slow  # four boots and 30 swaps over the stand-in card: about 20 s
+def test_tiers_over_simulators_do_what_the_plan_endpoint_said(
+        tmp_path: Path, routers: list[Router]) -> None:
+    """Four profiles (0.3 of a 16 GiB card each, 2 GiB of weights) where not all fit beside one
+    awake as kv-released: the simulators sleep as the plugin does (kv keeps the weights on the
+    stand-in card) or as vLLM's level 1 (the router's per-sleep file says `all`). Before every
+    request GET /v1/router/plan; after it, each engine's tier as /v1/health shows it."""
+    sim = "SIM_SLEEP_MS=5 SIM_WAKE_MS=5 SIM_FIRST_SLEEP_MS=20 SIM_WEIGHTS_MIB=2048"
+    profiles = {f"sim-{c}": sim for c in "abcd"}
+    root, card = project_with(tmp_path, profiles, VLLM_GPU_MEM_UTIL="0.3", GPU_VENDOR="nvidia", GPU_COUNT="1",
+                              ROUTER_SLEEP_FREES="auto", MODEL_WEIGHT_GIB="2")
+    router = start(routers, root, profiles)
+    tiers = {m: e["sleep_tiers"] for m, e in router.health()["engines"].items()}
+    assert tiers == {m: ["kv-released", "asleep"] for m in profiles}, tiers
+    watch = CardWatch(card, router)
+    seen: set[tuple[str, str]] = set()
+    try:
+        for model in [*profiles, *random.Random(37).choices(list(profiles), k=30)]:
+            said = requests.get(f"{router.url}/v1/router/plan", params={"model": model},
+                                timeout=10).json()
+            before = {m: e["tier"] for m, e in router.health()["engines"].items()}
+            answer = router.chat(model)
+            assert answer.status_code == 200, (answer.text, said, before, router.health()["engines"])
+            after = {m: e["tier"] for m, e in router.health()["engines"].items()}
+            moved = {(m, before[m], after[m]) for m in profiles if m != model
+                     and before[m] != after[m]}
+            assert moved == {(m["member"], m["from"], m["to"]) for m in said["moves"]}, (
+                model, said, before, after)
+            assert said["tier"] == before[model] and after[model] == "awake"
+            seen |= {(frm, to) for _, frm, to in moved} | {(before[model], "awake")}
+    finally:
+        watch.stop()
+    assert {("awake", "kv-released"), ("kv-released", "asleep"), ("kv-released", "awake"),
+            ("asleep", "awake"), ("stopped", "awake")} <= seen, seen
+    assert max(watch.used) <= CARD
+    frees = {f for m in profiles for f in sim_counts(engine_url(router, m))["frees"]
+             if engine_url(router, m) != "None"}
+    assert frees == {"kv", "all"}

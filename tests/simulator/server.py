@@ -66,6 +66,10 @@ Environment (all optional; an `SIM_*` value wins over the argv):
                         when less is free, counting only live processes' files), holds the
                         residue while asleep and removes the file when it exits
   SIM_SLEEP_RESIDUE_MIB what a sleeping engine still holds (default 1300, as on an H200)
+  SIM_WEIGHTS_MIB       its weights (default 0): what a kv sleep keeps on the card beside the
+                        residue. A kv sleep is the stack's plugin's (VLLMSTACK_SLEEP_FREES=kv in
+                        the engine's environment; each level-1 sleep reads
+                        VLLMSTACK_SLEEP_FREES_FILE first, where `all` makes it vLLM's own level 1)
   SIM_SLEEP_FAULT       keep-memory: a sleep returns 200 but frees nothing (ROCm before vLLM's
                         2026 sleep fixes)
   SIM_SLEEP_MS / SIM_FIRST_SLEEP_MS / SIM_WAKE_MS
@@ -218,6 +222,9 @@ class Config:
     dev_mode: bool = False  # VLLM_SERVER_DEV_MODE=1: /sleep, /wake_up, /is_sleeping exist
     gpu_memory_dir: str = ""
     sleep_residue_mib: float = 1300.0
+    weights_mib: float = 0.0
+    sleep_plugin: bool = False  # the stack's plugin is on: a level-1 sleep keeps the weights
+    sleep_frees_file: str = ""
     sleep_fault: str = ""
     sleep_ms: float = 50.0
     first_sleep_ms: float = 300.0
@@ -438,6 +445,9 @@ def load_config(argv: Sequence[str], environ: dict[str, str]) -> Config:
     cfg.dev_mode = environ.get("VLLM_SERVER_DEV_MODE", "") == "1"
     cfg.gpu_memory_dir = env.get("SIM_GPU_MEMORY_DIR", "")
     cfg.sleep_residue_mib = _env_float(env, "SIM_SLEEP_RESIDUE_MIB", cfg.sleep_residue_mib)
+    cfg.weights_mib = _env_float(env, "SIM_WEIGHTS_MIB", cfg.weights_mib)
+    cfg.sleep_plugin = environ.get("VLLMSTACK_SLEEP_FREES", "") == "kv"
+    cfg.sleep_frees_file = environ.get("VLLMSTACK_SLEEP_FREES_FILE", "")
     cfg.sleep_fault = env.get("SIM_SLEEP_FAULT", "").strip()
     if cfg.sleep_fault not in ("", "keep-memory"):
         raise ConfigError(f"SIM_SLEEP_FAULT={cfg.sleep_fault!r} is not keep-memory")
@@ -1595,6 +1605,7 @@ class Handler(BaseHTTPRequestHandler):
         state = self.server.sim.sleep
         self.send_json(200, {"is_sleeping": state.asleep, "sim": {
             "sleeps": state.sleeps, "wakes": state.wakes, "levels": state.levels,
+            "frees": state.frees,
             "requests_while_asleep": state.while_asleep}})
 
     # -- simple endpoints
@@ -2023,6 +2034,7 @@ class SleepState:
         self.asleep = False
         self.sleeps = self.wakes = self.while_asleep = 0
         self.levels: list[int] = []
+        self.frees: list[str] = []  # per sleep: kv (the weights stayed) or all
         self.lock = threading.Lock()
         self.total = 0
         self.budget = 0
@@ -2082,14 +2094,32 @@ class SleepState:
             self.levels.append(level)
             self.asleep = True
             self.metrics.sleep_state = "weights_offloaded"
-            residue = int(self.cfg.sleep_residue_mib * 1024**2)
+            kv = self.cfg.sleep_plugin and level == 1 and self._asked_frees() != "all"
+            self.frees.append("kv" if kv else "all")
+            weights = int(self.cfg.weights_mib * 1024**2)
+            residue = int(self.cfg.sleep_residue_mib * 1024**2) + (weights if kv else 0)
             kept = self.budget if self.cfg.sleep_fault == "keep-memory" else min(residue,
                                                                                   self.budget)
             self._hold(kept)
             freed = (self.budget - kept) / 1024**3
+            if kv:  # the plugin's own line (engine-plugins/vllmstack_sleep)
+                self.log.api("INFO", "__init__.py:68", f"vllmstack_sleep: freed {freed:.2f} GiB "
+                             f"of KV cache, kept {weights / 1024**3:.2f} GiB mapped (weights) "
+                             "on the card")
+                return
+            backed = weights / 1024**3 if weights else 0.93
             self.log.api("INFO", "cumem.py:263", f"CuMemAllocator: sleep freed {freed:.2f} GiB "
-                         "memory in total, of which 0.93 GiB is backed up in CPU and the rest of "
-                         f"{freed - 0.93:.2f} GiB is discarded directly.")
+                         f"memory in total, of which {backed:.2f} GiB is backed up in CPU and the "
+                         f"rest of {freed - backed:.2f} GiB is discarded directly.")
+
+    def _asked_frees(self) -> str:
+        """What the router wrote for this sleep (the plugin reads the same file), kv without."""
+        try:
+            with open(self.cfg.sleep_frees_file, encoding="utf-8") as handle:
+                words = handle.read(64).split()
+        except OSError:
+            return "kv"
+        return words[0] if words else "kv"
 
     def wake_up(self) -> None:
         with self.lock:

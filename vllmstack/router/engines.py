@@ -59,6 +59,7 @@ from vllmstack.router.states import (
     LoadFailedError,
     RouterBusyError,
 )
+from vllmstack.router.tiers import STOPPED, Move, Tier
 
 __all__ = ["DRAIN_TIMEOUT_S", "EngineManager", "Lifecycle", "LoadFailedError", "Loaded",
            "RouterBusyError"]
@@ -90,10 +91,12 @@ class EngineManager(Pool):
                 member.why = ("adopted, started without sleep mode: it restarts until it is "
                               "stopped, then sleeps from its next start")
             member.last_used = member.last_ok = self.clock()
+            if adopted.asleep:  # its tier: what its last sleep freed, where the file says so
+                member.slept_in = {"kv": Tier.KV, "all": Tier.HOST}.get(adopted.frees or "")
             self.set_state(member, ASLEEP if adopted.asleep else READY)
             self.shown = member if not adopted.asleep else self.shown or member
             self.say(f"adopted the running engine of profile {adopted.entry.profile} "
-                     f"({adopted.entry.id}, {'asleep' if adopted.asleep else 'awake'}) at "
+                     f"({adopted.entry.id}, {self.tier(member)}) at "
                      f"{adopted.url}")
         return [a.entry for a in found]
 
@@ -277,7 +280,7 @@ class EngineManager(Pool):
                   and (entry is None or m.entry is entry)]
         if not chosen:
             return []
-        stop = Arrangement(None, stop=tuple(m.id for m in chosen))
+        stop = Arrangement.of(None, [Move(m.id, self.tier(m), STOPPED) for m in chosen])
         await asyncio.shield(self.start(swaps.switch(self, None, stop, reason)))
         return [m.entry for m in chosen]
 
@@ -309,7 +312,7 @@ class EngineManager(Pool):
             ttl = member.entry.ttl
             if ttl and member.started and now - member.last_used >= ttl:
                 self.say(f"{member.id} idle for {ttl:g} s: unloading")
-                stop = Arrangement(None, stop=(member.id,))
+                stop = Arrangement.of(None, [Move(member.id, self.tier(member), STOPPED)])
                 await asyncio.shield(self.start(swaps.switch(self, None, stop, "idle")))
                 if member.started:  # the stop failed (said): tried again after another TTL
                     member.last_used = self.clock()

@@ -13,6 +13,7 @@ from vllmstack.core.errors import StackError
 from vllmstack.router.catalog import Entry
 from vllmstack.router.plan import SLEEP, View
 from vllmstack.router.states import ASLEEP, READY, MemberState, ModelStatus, Swap, check_transition
+from vllmstack.router.tiers import Tier
 
 Cut = Callable[[str], None]  # end one request in flight now, saying why
 
@@ -41,6 +42,7 @@ class Member:
     started: bool = False  # its process runs (from a load's start until it is stopped)
     ready_at: float = 0.0  # when the last swap made it ready (monotonic)
     temporary: bool = False  # its restart mode holds only until it is stopped
+    slept_in: Tier | None = None  # the tier its last sleep went to (kv-released or asleep)
 
     def __post_init__(self) -> None:
         self.drained.set()
@@ -75,4 +77,4 @@ class Member:
 
     def view(self) -> View:
         return View(self.id, awake=not self.asleep, util=self.util, last_used=self.last_used,
-                    load_s=self.load_s or 60.0)
+                    load_s=self.load_s or 60.0, tier=self.slept_in if self.asleep else None)

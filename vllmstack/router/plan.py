@@ -10,19 +10,21 @@ sleep and kept in generated/router/memory.json; until then 2 GiB, plus its weigh
 frees only the KV cache); its host-RAM backup while asleep (its weight size, config.weights;
 nothing where the weights stay on the card).
 
-`arrange` decides, for a model that must be awake, what has to give way: awake engines are put
-to sleep (or stopped, for restart ones) in the eviction policy's order until the target's budget
-fits beside the budgets of the engines still awake and the residues of the sleeping ones; if a
-fresh start still does not fit at the profile's utilization, its utilization is lowered to what
-does (vLLM refuses to start when less is free than it asks for), down to what its weights need;
-below that, sleeping engines are stopped too. Sleeping engines together stay within the host RAM
-ROUTER_HOST_RAM_GIB allows (default: half of MemTotal). Profiles that fit together stay awake
-together. Without a card reading (CPU, or Compose: one engine per checkout) the plan is
-exclusive: one engine awake at a time.
-
-`choose_frees` decides what sleeps free (ROUTER_SLEEP_FREES): `auto` keeps the weights on the card
-where every profile's budget fits beside the weights of all the other sleeping profiles (on CUDA,
-where it was measured), and frees them otherwise.
+Every engine not serving sits in a tier (tiers.Tier: kv-released, asleep at level 1, stopped);
+the tiers a profile may sleep in come from ROUTER_SLEEP_FREES and its engine (tiers.sleep_tiers,
+`keeps_weights`). `arrange` decides, for a model that must be awake, what has to give way: the
+others move one tier deeper at a time, the cheapest loss first (the seconds the move adds to
+that engine's next swap back, from the measured wake and load times; within LOSS_STEP_S the
+eviction policy decides), until the target's budget fits beside the budgets of the engines still
+awake and the residues of the sleeping ones. Awake engines go down a tier (a restart engine is
+stopped) and kv-released ones to level 1 (where the card has room for the wake that deepening
+takes) before any sleeping engine is stopped; if a fresh start still does not fit at the
+profile's utilization, its utilization is lowered to what does (vLLM refuses to start when less
+is free than it asks for), down to what its weights need; below that, sleeping engines are
+stopped too. Level-1 sleepers together stay within the host RAM ROUTER_HOST_RAM_GIB allows
+(default: half of MemTotal). Profiles that fit together stay awake together. Without a card
+reading (CPU, or Compose: one engine per checkout) the plan is exclusive: one engine awake at a
+time. The outcome (`Arrangement`) is the moves (member, from, to) and the expected seconds.
 
 `judge_sleep` reads a sleep's before/after GPU memory: a sleep that did not release the memory
 (ROCm before vLLM's 2026 sleep fixes) sends that profile back to restart, and the store keeps why.
@@ -38,8 +40,18 @@ from pathlib import Path
 from typing import Any
 
 from vllmstack.config.engines.table import kind_named
-from vllmstack.core.files import JsonFileError, read_json_file, write_json
-from vllmstack.core.paths import Project
+from vllmstack.router.tiers import (
+    AWAKE,
+    DEFAULT_WAKE_S,
+    HOST,
+    KV_RELEASED,
+    LOSS_STEP_S,
+    STOPPED,
+    Move,
+    Tier,
+    deeper,
+    typical,
+)
 
 GIB = 1024**3
 SLEEP, RESTART = "sleep", "restart"
@@ -70,9 +82,23 @@ class Need:
     util: float  # the profile's gpu_memory_utilization (a share of each card)
     gpus: int  # tensor parallel: cards it spans
     host: int  # bytes backed up in host RAM while asleep (its weights); 0 when unknown
-    residue: int = DEFAULT_RESIDUE  # bytes per card while asleep
+    residue: int = DEFAULT_RESIDUE  # bytes per card asleep in its first sleep tier
     measured: bool = False  # the residue was measured on this host
-    frees: str = ALL  # what its sleep frees: ALL (weights to host RAM) or KV (weights stay)
+    frees: str = ALL  # how it is started: KV (the plugin: it can keep its weights) or ALL
+    tiers: tuple[Tier, ...] | None = None  # its sleep tiers (None: from mode and frees)
+    host_residue: int = DEFAULT_RESIDUE  # bytes per card at level 1 where it starts with KV
+    host_measured: bool = False
+    # Measured seconds per tier (memory.json): a wake from kv-released or asleep, a start
+    # from stopped; the newest last.
+    wakes: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
+
+    @property
+    def sleep_tiers(self) -> tuple[Tier, ...]:
+        if self.mode != SLEEP:
+            return ()
+        if self.tiers is not None:
+            return self.tiers
+        return (KV_RELEASED,) if self.frees == KV else (HOST,)
 
     @property
     def kept_asleep(self) -> int:
@@ -80,10 +106,34 @@ class Need:
         weights, beside what any sleep keeps."""
         return self.host // max(1, self.gpus) + DEFAULT_RESIDUE
 
+    def residue_at(self, tier: Tier) -> int:
+        """Bytes per card it holds in `tier` (awake: see Plan.budget)."""
+        if tier == STOPPED:
+            return 0
+        first = self.sleep_tiers[0] if self.sleep_tiers else HOST
+        if tier == first:
+            return self.residue
+        return self.kept_asleep if tier == KV_RELEASED else self.host_residue
+
+    def measured_at(self, tier: Tier) -> bool:
+        first = self.sleep_tiers[0] if self.sleep_tiers else HOST
+        return self.measured if tier == first else tier == HOST and self.host_measured
+
+    def backup_at(self, tier: Tier) -> int:
+        """Bytes it holds in host RAM in `tier`: its weights at level 1 only."""
+        return self.host if tier == HOST else 0
+
     @property
     def backup(self) -> int:
-        """Bytes it holds in host RAM while asleep: its weights, unless they stay on the card."""
-        return 0 if self.frees == KV else self.host
+        """Bytes it holds in host RAM while asleep in its first sleep tier."""
+        return self.backup_at(self.sleep_tiers[0] if self.sleep_tiers else HOST)
+
+    def wake_s(self, tier: Tier, load_s: float = UNKNOWN_LOAD_S) -> float:
+        """The seconds bringing it back from `tier` is expected to take: the median of what this
+        host measured, else DEFAULT_WAKE_S; from stopped its load time."""
+        if tier == STOPPED:
+            return typical(self.wakes.get(STOPPED, ()), load_s)
+        return typical(self.wakes.get(tier, ()), DEFAULT_WAKE_S[tier])
 
     @property
     def floor(self) -> float:
@@ -93,19 +143,22 @@ class Need:
 
 @dataclass(frozen=True)
 class View:
-    """An engine as the plan sees it: awake (ready, or loading/waking) or asleep."""
+    """An engine as the plan sees it: awake (ready, or loading/waking) or asleep in a tier."""
 
     id: str
     awake: bool
     util: float | None  # what it was started with (None: not started)
     last_used: float
     load_s: float = UNKNOWN_LOAD_S
+    tier: Tier | None = None  # asleep: its tier (None: its profile's first sleep tier)
 
 
 @dataclass(frozen=True)
 class Arrangement:
-    """What makes `target` awake: engines to put to sleep, engines to stop, and the share of the
-    card a fresh start asks for (None: the profile's own, or no card to plan with)."""
+    """What makes `target` awake: the moves of the others (member, from, to tier) in the order
+    they are made, and the share of the card a fresh start asks for (None: the profile's own,
+    or no card to plan with). `sleep` (awake ones put to sleep), `stop` and `deepen` (from
+    kv-released to level 1) derive from the moves, as do `put_away`."""
 
     target: str | None
     sleep: tuple[str, ...] = ()
@@ -113,6 +166,27 @@ class Arrangement:
     util: float | None = None
     fits: bool = True
     why: str = ""
+    moves: tuple[Move, ...] = ()
+    expected_s: float = 0.0  # the target's wake (or start) and the deepenings' wakes
+
+    @classmethod
+    def of(cls, target: str | None, moves: Sequence[Move], **rest: Any) -> Arrangement:
+        """Ordered as a switch makes them: awake ones put to sleep, then the stops, then the
+        deepenings (their wake needs the room the others left)."""
+        ordered = ([m for m in moves if m.frm == AWAKE and m.to != STOPPED]
+                   + [m for m in moves if m.to == STOPPED]
+                   + [m for m in moves if m.frm != AWAKE and m.to != STOPPED])
+        return cls(target, tuple(m.member for m in ordered if m.frm == AWAKE and m.to != STOPPED),
+                   tuple(m.member for m in ordered if m.to == STOPPED), moves=tuple(ordered),
+                   **rest)
+
+    @property
+    def deepen(self) -> tuple[str, ...]:
+        return tuple(m.member for m in self.moves if m.frm != AWAKE and m.to != STOPPED)
+
+    def tier_of(self, member: str) -> Tier | None:
+        """Where the arrangement puts `member` (None: it stays where it is)."""
+        return next((m.to for m in self.moves if m.member == member), None)
 
     @property
     def put_away(self) -> frozenset[str]:
@@ -137,10 +211,22 @@ class Plan:
         need = self.needs[id_]
         return 0 if self.card is None else int(self.card * (util or need.util))
 
+    def tier_of(self, view: View) -> Tier:
+        if view.awake:
+            return AWAKE
+        if view.tier is not None:
+            return view.tier
+        tiers = self.needs[view.id].sleep_tiers
+        return tiers[0] if tiers else HOST
+
+    def held(self, view: View, tier: Tier) -> int:
+        """Bytes per card `view` holds in `tier`: its budget awake, its residue asleep."""
+        return (self.budget(view.id, view.util) if tier == AWAKE
+                else self.needs[view.id].residue_at(tier))
+
     def usage(self, views: Sequence[View], skip: str | None = None) -> int:
         """Bytes per card the engines take: awake ones their budget, asleep ones their residue."""
-        return sum(self.budget(v.id, v.util) if v.awake else self.needs[v.id].residue
-                   for v in views if v.id != skip)
+        return sum(self.held(v, self.tier_of(v)) for v in views if v.id != skip)
 
     def order(self, views: Sequence[View], now: float) -> list[View]:
         """Least wanted first: the least recently used (lru), or the highest idle time / load
@@ -149,79 +235,102 @@ class Plan:
             return sorted(views, key=lambda v: -(now - v.last_used) / max(v.load_s, 0.1))
         return sorted(views, key=lambda v: v.last_used)
 
+    def loss(self, view: View, frm: Tier, to: Tier) -> float:
+        """What a move costs the next request for `view`: the seconds its swap back grows by."""
+        need = self.needs[view.id]
+        return need.wake_s(to, view.load_s) - need.wake_s(frm, view.load_s)
+
     def arrange(self, target: str | None, views: Sequence[View], now: float | None = None,
                 stop: Sequence[str] = ()) -> Arrangement:
         """What gives way so that `target` is awake (None with `stop`: only stop those)."""
         now = time.monotonic() if now is None else now
-        others = [v for v in views if v.id != target and v.id not in stop]
-        awake = [v for v in others if v.awake]
-        asleep = [v for v in others if not v.awake]
-        to_sleep: list[View] = []
-        to_stop: list[View] = [v for v in views if v.id in stop]
+        start = {v.id: self.tier_of(v) for v in views}
         if target is None:
-            return Arrangement(None, stop=tuple(v.id for v in to_stop))
+            return Arrangement.of(None, [Move(v.id, start[v.id], STOPPED) for v in views
+                                         if v.id in stop])
+        others = {v.id: v for v in views if v.id != target}
+        tier = {i: STOPPED if i in stop else start[i] for i in others}
         mine = next((v for v in views if v.id == target), None)
         waking = mine is not None and not mine.awake and mine.util is not None
         need = self.needs[target]
         util = mine.util if mine is not None and waking and mine.util else need.util
         if self.exclusive or self.capacity is None:
-            for victim in awake:
-                (to_sleep if self._sleeps(victim) else to_stop).append(victim)
-            return self._host_fit(target, to_sleep, to_stop, asleep, now, None)
-        capacity = self.capacity
-        kept_awake = list(awake)
-        kept_asleep = list(asleep)
+            for i in others:
+                if tier[i] == AWAKE:
+                    tier[i] = deeper(self.needs[i].sleep_tiers, AWAKE)
+            return self._finish(target, mine, start, tier, others, now, None)
+        capacity, card = self.capacity, self.card or 0
 
         def used() -> int:
-            return self.usage([*kept_awake, *kept_asleep, *(replace(v, awake=False)
-                                                            for v in to_sleep)])
+            return sum(self.held(others[i], t) for i, t in tier.items())
 
-        for victim in self.order(awake, now):
-            if used() + self.budget(target, util) <= capacity:
-                break
-            kept_awake.remove(victim)
-            (to_sleep if self._sleeps(victim) else to_stop).append(victim)
+        def fits(share: float) -> bool:
+            return used() + self.budget(target, share) <= capacity
+
+        def step(stopping: bool) -> bool:
+            """Make the cheapest move of its pass, False when none is left. The first pass
+            puts awake engines one tier down (a restart engine is stopped) and deepens
+            kv-released ones to level 1; the second stops sleeping ones."""
+            moves = []
+            ranked = {v.id: n for n, v in enumerate(self.order(list(others.values()), now))}
+            for i, v in others.items():
+                frm = tier[i]
+                if frm == STOPPED or (stopping and frm == AWAKE) or (
+                        not stopping and frm == HOST):
+                    continue
+                to = STOPPED if stopping else deeper(self.needs[i].sleep_tiers, frm)
+                while to != STOPPED and self.held(v, to) >= self.held(v, frm):
+                    to = deeper(self.needs[i].sleep_tiers, to)  # this tier would free nothing
+                if frm != AWAKE and not stopping and (to == STOPPED or used() - self.held(
+                        v, frm) + self.budget(i, v.util) > capacity):
+                    continue  # deeper is a stop, or its deepening's wake has no room now
+                if self.held(v, to) >= self.held(v, frm):
+                    continue  # frees nothing
+                moves.append((round(self.loss(v, frm, to) / LOSS_STEP_S), ranked[i], i, to))
+            if not moves:
+                return False
+            _, _, chosen, to = min(moves)
+            tier[chosen] = to
+            return True
+
+        while not fits(util) and step(stopping=False):
+            pass
         chosen: float | None = None
-        if not waking and used() + self.budget(target, util) > capacity:
-            room = (capacity - used()) / self.card if self.card else 0.0
-            while room * (self.card or 0) < need.floor and kept_asleep + to_sleep:
-                victim = self.order([*kept_asleep, *to_sleep], now)[0]
-                (kept_asleep if victim in kept_asleep else to_sleep).remove(victim)
-                to_stop.append(victim)
-                room = (capacity - used()) / self.card if self.card else 0.0
-            chosen = math.floor(min(util, room) * 1000) / 1000
+        if not waking and not fits(util):
+            while (capacity - used()) < need.floor and step(stopping=True):
+                pass
+            chosen = math.floor(min(util, (capacity - used()) / card if card else 0.0) * 1000) / 1000
         elif waking:
-            while used() + self.budget(target, util) > capacity and kept_asleep + to_sleep:
-                victim = self.order([*kept_asleep, *to_sleep], now)[0]
-                (kept_asleep if victim in kept_asleep else to_sleep).remove(victim)
-                to_stop.append(victim)
-        arrangement = self._host_fit(target, to_sleep, to_stop, kept_asleep, now, chosen)
+            while not fits(util) and step(stopping=True):
+                pass
+        arrangement = self._finish(target, mine, start, tier, others, now, chosen)
         share = chosen if chosen is not None else util
-        if used() + self.budget(target, share) > capacity or (
-                chosen is not None and chosen * (self.card or 0) < need.floor):
+        if not fits(share) or (chosen is not None and chosen * card < need.floor):
             shown = self.budget(target, util) / GIB
             return replace(arrangement, fits=False, why=(
-                f"{target} needs {shown:.1f} GiB of a {(self.card or 0) / GIB:.1f} GiB card "
+                f"{target} needs {shown:.1f} GiB of a {card / GIB:.1f} GiB card "
                 f"({util:g} x card) and at least {need.floor / GIB:.1f} GiB for its weights; "
                 f"{max(0, capacity - used()) / GIB:.1f} GiB is left beside what must stay"))
         return arrangement
 
-    def _sleeps(self, view: View) -> bool:
-        return self.needs[view.id].mode == SLEEP
-
-    def _host_fit(self, target: str, to_sleep: list[View], to_stop: list[View],
-                  asleep: list[View], now: float, util: float | None) -> Arrangement:
-        """Keep the sleeping engines within the host RAM limit: the least wanted are stopped."""
+    def _finish(self, target: str, mine: View | None, start: Mapping[str, Tier],
+                tier: dict[str, Tier], others: Mapping[str, View], now: float,
+                util: float | None) -> Arrangement:
+        """Keep the level-1 sleepers within the host RAM limit (the least wanted are stopped),
+        then the moves and the expected seconds."""
         if self.host_limit:
-            sleeping = [*asleep, *to_sleep]
-            while sum(self.needs[v.id].backup for v in sleeping) > self.host_limit and sleeping:
+            sleeping = [v for i, v in others.items() if tier[i] == HOST]
+            while sum(self.needs[v.id].host for v in sleeping) > self.host_limit and sleeping:
                 victim = self.order(sleeping, now)[0]
                 sleeping.remove(victim)
-                if victim in to_sleep:
-                    to_sleep.remove(victim)
-                to_stop.append(victim)
-        return Arrangement(target, tuple(v.id for v in to_sleep), tuple(v.id for v in to_stop),
-                           util)
+                tier[victim.id] = STOPPED
+        moves = [Move(i, start[i], t) for i, t in tier.items() if t != start[i]]
+        need = self.needs[target]
+        own = STOPPED if mine is None else self.tier_of(mine)
+        seconds = need.wake_s(own, mine.load_s if mine else UNKNOWN_LOAD_S)
+        seconds += sum(self.needs[m.member].wake_s(m.frm) for m in moves
+                       if m.frm != AWAKE and m.to != STOPPED)
+        return Arrangement.of(target, moves, util=util, expected_s=round(seconds, 3))
 
 
 def exclusive_plan(ids: Sequence[tuple[str, str]], why: str = "one engine at a time") -> Plan:
@@ -242,15 +351,16 @@ class Verdict:
 
 
 def judge_sleep(plan: Plan, id_: str, util: float | None, before: int | None,
-                after: int | None) -> Verdict:
-    """Whether a sleep released the GPU memory, from the card's used memory before and after
-    (summed over the cards the engine spans)."""
+                after: int | None, tier: Tier | None = None) -> Verdict:
+    """Whether a sleep into `tier` (None: the profile's first sleep tier) released the GPU
+    memory, from the card's used memory before and after (summed over the cards it spans)."""
     need = plan.needs[id_]
+    tier = tier or (need.sleep_tiers[0] if need.sleep_tiers else HOST)
     if before is None or after is None or plan.card is None:
         return Verdict(True, None, None, "no GPU memory reading: the release was not checked")
     freed = before - after
     budget = plan.budget(id_, util) * need.gpus
-    kept = need.host if need.frees == KV else 0  # the weights that stay on the card
+    kept = need.host if tier == KV_RELEASED else 0  # the weights that stay on the card
     expected = max(0, budget - DEFAULT_RESIDUE * need.gpus - kept)
     residue = max(0, min(budget, after - before + budget)) // need.gpus
     released = freed >= RELEASE_SHARE * expected
@@ -275,33 +385,17 @@ def host_limit(setting_gib: float, meminfo: Path = Path("/proc/meminfo")) -> int
     return 0
 
 
-def choose_frees(needs: Mapping[str, Need], capacity: int | None, card: int | None, setting: str,
-                 vendor: str) -> tuple[str, str]:
-    """What the sleeping engines free, and why: `kv` (the KV cache only) where every profile's
-    budget fits on the card beside the weights of all the other sleeping profiles; `all` (vLLM's
-    level 1) otherwise. `auto` keeps weights only on CUDA (measured there; ROCm is not) and only
-    when every sleeping profile's weight size is known."""
-    sleepers = [n for n in needs.values() if n.mode == SLEEP]
-    if setting == ALL or not sleepers:
-        return ALL, "ROUTER_SLEEP_FREES=all" if setting == ALL else "no profile sleeps"
-    if setting == KV:
-        return KV, "ROUTER_SLEEP_FREES=kv"
+def keeps_weights(need: Need, card: int | None, vendor: str) -> tuple[bool, str]:
+    """Whether ROUTER_SLEEP_FREES=auto lets this profile sleep kv-released (its weights stay on
+    the card, the plugin's backend): on CUDA only (measured there; ROCm is not), with a card
+    reading and its weight size known (the plan counts them on the card)."""
     if vendor != "nvidia":
-        return ALL, f"ROUTER_SLEEP_FREES=auto: weights stay on the card on CUDA only (GPU_VENDOR={vendor})"
-    if capacity is None or card is None:
-        return ALL, "ROUTER_SLEEP_FREES=auto: no reading of the card"
-    unknown = [n.id for n in sleepers if not n.host]
-    if unknown:
-        return ALL, f"ROUTER_SLEEP_FREES=auto: the weight size of {', '.join(unknown)} is unknown"
-    weights = {n.id: n.kept_asleep for n in sleepers}
-    for need in needs.values():
-        beside = sum(w for i, w in weights.items() if i != need.id)
-        if int(card * need.util) + beside > capacity:
-            return ALL, (f"ROUTER_SLEEP_FREES=auto: {need.id}'s budget "
-                         f"({card * need.util / GIB:.1f} GiB) and the others' weights asleep "
-                         f"({beside / GIB:.1f} GiB) do not fit the card: weights go to host RAM")
-    return KV, (f"ROUTER_SLEEP_FREES=auto: every budget fits beside the others' weights asleep "
-                f"(at most {max(weights.values()) / GIB:.1f} GiB each): the weights stay on the card")
+        return False, f"weights stay on the card on CUDA only (GPU_VENDOR={vendor})"
+    if card is None:
+        return False, "no reading of the card"
+    if not need.host:
+        return False, f"the weight size of {need.id} is unknown"
+    return True, "kv-released, then level 1, then stopped"
 
 
 def swap_mode(setting: str, engine: str, vendor: str, several: bool) -> tuple[str, str]:
@@ -320,45 +414,3 @@ def swap_mode(setting: str, engine: str, vendor: str, several: bool) -> tuple[st
     if vendor in ("nvidia", "amd"):
         return SLEEP, f"ROUTER_SWAP=auto: vLLM sleeps on {vendor}"
     return RESTART, f"ROUTER_SWAP=auto: no vLLM sleep mode with GPU_VENDOR={vendor}"
-
-
-# --- the store (generated/router/memory.json) -----------------------------------------------------
-
-
-def store_path(project: Project) -> Path:
-    return project.generated / "router" / STORE
-
-
-def read_store(project: Project) -> dict[str, dict[str, Any]]:
-    """Per profile: its measured residue, or why it swaps by restart after a failed release. A
-    damaged file is ignored (it is rewritten at the next measurement)."""
-    try:
-        data = read_json_file(store_path(project))
-    except JsonFileError:
-        return {}
-    if not isinstance(data, dict):
-        return {}
-    return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, dict)}
-
-
-def write_store(project: Project, profile: str, **fields: Any) -> None:
-    data = read_store(project)
-    data[profile] = {**data.get(profile, {}), **fields, "at": time.time()}
-    path = store_path(project)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_json(path, data)
-
-
-def apply_store(need: Need, stored: Mapping[str, Any]) -> Need:
-    """A need with what the store says of its profile: the measured residue (measured with the
-    same kind of sleep: one that kept the weights holds more), or the fallback."""
-    residue = stored.get("residue_bytes")
-    same = stored.get("frees", ALL) == need.frees
-    if isinstance(residue, int) and not isinstance(residue, bool) and residue >= 0 and same:
-        need = replace(need, residue=residue, measured=True)
-    fallback = stored.get("fallback")
-    if need.mode == SLEEP and isinstance(fallback, str) and fallback:
-        need = replace(need, mode=RESTART,
-                       why=f"{fallback} (recorded in generated/router/{STORE}; delete its entry "
-                           "to try sleep again)")
-    return need

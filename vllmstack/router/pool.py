@@ -15,8 +15,19 @@ from vllmstack.core.errors import StackError
 from vllmstack.router.catalog import Catalog, Entry
 from vllmstack.router.limits import Limits
 from vllmstack.router.member import Member
-from vllmstack.router.plan import Arrangement, Plan, View, exclusive_plan
-from vllmstack.router.states import FAILED, Lifecycle, MemberState, ModelStatus, Swap
+from vllmstack.router.plan import UNKNOWN_LOAD_S, Arrangement, Plan, View, exclusive_plan
+from vllmstack.router.states import (
+    FAILED,
+    LOADING,
+    SLEEPING,
+    UNLOADING,
+    WAKING,
+    Lifecycle,
+    MemberState,
+    ModelStatus,
+    Swap,
+)
+from vllmstack.router.tiers import AWAKE, STOPPED, Tier
 
 RECENT_SWAPS = 20
 FIRST_TOKENS = 1000  # first-token times kept per model for the snapshot's percentiles
@@ -122,8 +133,47 @@ class Pool:
         """The engines that hold memory, as the plan sees them."""
         return [m.view() for m in self.members.values() if m.started]
 
+    def tier(self, member: Member) -> Tier:
+        """Its tier now: stopped (no process), asleep in the tier its sleep went to, or awake
+        (ready, or on its way: loading, waking, sleeping)."""
+        return self.plan.tier_of(member.view()) if member.started else STOPPED
+
     def arrange(self, entry: Entry) -> Arrangement:
         return self.plan.arrange(entry.id, self.views(), self.clock())
+
+    def expected_s(self, member: Member) -> float:
+        """The seconds bringing it back from its tier now is expected to take (0 awake)."""
+        tier = self.tier(member)
+        return 0.0 if tier == AWAKE else round(
+            self.plan.needs[member.id].wake_s(tier, member.load_s or UNKNOWN_LOAD_S), 3)
+
+    def preview(self, entry: Entry) -> dict[str, Any]:
+        """What a request for `entry` would do now, changing nothing (GET /v1/router/plan): its
+        tier, the action (none, wake, load, or wait for the switch under way), the others'
+        moves in the order the switch makes them, the expected seconds, what blocks it."""
+        member = self.members[entry.id]
+        tier = self.tier(member)
+        if member.ready:
+            arrangement, action = Arrangement(entry.id), "none"
+        else:
+            arrangement = self.arrange(entry)
+            action = ("wait" if self.switching() or member.state in (LOADING, WAKING, SLEEPING,
+                                                                      UNLOADING)
+                      else "wake" if member.asleep else "load")
+        blocked = None if arrangement.fits else arrangement.why
+        left = self.backoff_left(entry)
+        if left and not member.ready:
+            error = member.status.error or {}
+            blocked = (f"its last load failed {self.limits.load_backoff - left:.0f} s ago "
+                       f"(ROUTER_LOAD_BACKOFF): a request gets that failure for {left:.0f} s more"
+                       + (f": {error.get('cause')}" if error.get("cause") else ""))
+        return {"model": entry.id, "profile": entry.profile, "state": member.state,
+                "tier": tier, "action": action,
+                "moves": [m.as_dict() for m in arrangement.moves],
+                "sleeps": list(arrangement.sleep), "deepens": list(arrangement.deepen),
+                "stops": list(arrangement.stop), "util": arrangement.util,
+                "expected_s": 0.0 if member.ready else arrangement.expected_s,
+                "blocked": blocked}
 
     def due(self) -> list[tuple[float, frozenset[str]]]:
         """The switches that are due: per model whose oldest waiter has waited ROUTER_SWAP_WAIT,

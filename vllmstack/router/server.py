@@ -15,6 +15,9 @@
                                 engine does not serve is 404
     POST /v1/load, /v1/unload   {"model": ID} or {"model_name": ID}; unload without a model
                                 stops every engine, awake or asleep
+    GET  /v1/router/plan?model=ID  read-only: what a request for ID would do now (its tier,
+                                the action, the others' moves between tiers, the stops, the
+                                expected swap seconds, what blocks it); 404 naming the model
 
 Nothing else is routed: every other path is 404, whatever the engine would answer there (its
 dev-mode endpoints /sleep, /wake_up, /collective_rpc, /reset_prefix_cache among them, and the
@@ -72,7 +75,7 @@ GENERATION = frozenset().union(*(kind.routes for kind in ENGINES.values()))
 # OpenAI's audio API sends a multipart form, its `model` a field of it.
 FORM_PATHS = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations"})
 LIFECYCLE = frozenset({"/v1/load", "/v1/unload"})
-READS = frozenset({"/v1/models", "/v1/health", "/health"})
+READS = frozenset({"/v1/models", "/v1/health", "/health", "/v1/router/plan"})
 MODEL_KEYS = ("model", "model_name")
 SHOWN_PATH = 200
 # Reports of engine failures still probing (a task is kept only while referenced).
@@ -191,6 +194,8 @@ class RouterApp:
             return reply(200, self.models())
         if method == "GET" and path in ("/v1/health", "/health"):
             return reply(200, self.manager.snapshot())
+        if method == "GET" and path == "/v1/router/plan":
+            return self.plan_for(request.rel_url.query.get("model"))
         if method == "POST" and (path in GENERATION or path in LIFECYCLE):
             try:
                 body = await read_body(request, self.limits, self.ledger)
@@ -269,6 +274,19 @@ class RouterApp:
         return refused
 
     # --- routes -------------------------------------------------------------------------------
+
+    def plan_for(self, name: str | None) -> web.Response:
+        """GET /v1/router/plan?model=NAME: what a request for NAME would do now (Pool.preview),
+        read-only: nothing is queued, woken or put away."""
+        ids = ", ".join(self.catalog.ids)
+        if not name:
+            return refuse(400, f"name a model: /v1/router/plan?model=NAME with one of {ids}",
+                          param="model")
+        entry = self.catalog.find(name)
+        if entry is None:
+            return refuse(404, f"The model `{shown_name(name)}` does not exist. Known models: {ids}",
+                          param="model", known=self.catalog.ids)
+        return reply(200, self.manager.preview(entry))
 
     async def generate(self, request: web.BaseRequest, path: str, body: bytes
                        ) -> web.StreamResponse:

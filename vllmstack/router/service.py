@@ -33,10 +33,11 @@ from vllmstack.observe.health import health_status, identify_server
 from vllmstack.router.catalog import Catalog, build_catalog
 from vllmstack.router.engines import DRAIN_TIMEOUT_S, EngineManager, Lifecycle
 from vllmstack.router.front import Front
+from vllmstack.router.history import write_store
 from vllmstack.router.limits import Limits, read_limits
 from vllmstack.router.memory import build_plan, render_plan
 from vllmstack.router.options import TOKEN_VAR, RouterError
-from vllmstack.router.plan import SLEEP, Plan, write_store
+from vllmstack.router.plan import SLEEP, Plan
 from vllmstack.router.record import identity, remove_record, router_lock, write_record
 from vllmstack.router.server import RouterApp
 from vllmstack.router.stacks import ROUTER_DIR, StackLifecycle

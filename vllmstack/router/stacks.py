@@ -21,7 +21,7 @@ from typing import TextIO, cast
 
 from vllmstack.config.profiles import Resolved, Setting
 from vllmstack.core.errors import StackError
-from vllmstack.core.files import remove_file
+from vllmstack.core.files import remove_file, write_text
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner
 from vllmstack.observe.health import health_status, is_sleeping
@@ -53,6 +53,10 @@ ABORT_WAIT_S = 120.0
 # .dist-info, whose entry point vLLM loads in every process it starts).
 PLUGIN_DIR = "engine-plugins"
 FREES_ENV = "VLLMSTACK_SLEEP_FREES"
+# Where the plugin reads, at each sleep, what that sleep frees ("kv", or "all": vLLM's own level
+# 1), written by the router before it sends /sleep: the engine's environment is fixed at its
+# start, and /sleep takes no more than its level.
+FREES_FILE_ENV = "VLLMSTACK_SLEEP_FREES_FILE"
 
 
 class LineLog(io.TextIOBase):
@@ -158,9 +162,16 @@ class StackLifecycle:
 
     def load(self, entry: Entry, util: float | None = None, sleep_mode: bool = False,
              frees: str = ALL) -> Loaded:
+        kv = frees == KV and sleep_mode
+        if kv:
+            self._say_frees(entry, KV)
+        else:  # a file left by a kv start before would tell the next sleep to send `frees`
+            with contextlib.suppress(OSError):
+                remove_file(self.frees_path(entry))
         resolved = with_start_options(entry.resolved, util, sleep_mode,
-                                      plugins=self.project.root / PLUGIN_DIR if frees == KV else None,
-                                      inherited=self.environ.get("PYTHONPATH", ""))
+                                      plugins=self.project.root / PLUGIN_DIR if kv else None,
+                                      inherited=self.environ.get("PYTHONPATH", ""),
+                                      frees_file=self.frees_path(entry) if kv else None)
         self.aborts.pop(entry.id, None)
         began = time.monotonic()
         with self.stack(entry, resolved) as stack:
@@ -237,9 +248,29 @@ class StackLifecycle:
         with self.stack(entry, dataclasses.replace(entry.resolved, values=values)) as stack:
             stack.engine.stop()
 
-    def sleep(self, entry: Entry) -> Slept:
+    def frees_path(self, entry: Entry) -> Path:
+        return self.project.generated / ROUTER_DIR / f"{entry.profile}.sleep-frees"
+
+    def _last_frees(self, entry: Entry) -> str | None:
+        """What its last sleep was told to free (kv, all), from the file the router writes
+        before each sleep; None for an engine started without the plugin."""
+        try:
+            words = self.frees_path(entry).read_text(encoding="utf-8")[:64].split()
+        except OSError:
+            return None
+        return words[0] if words and words[0] in (KV, ALL) else None
+
+    def _say_frees(self, entry: Entry, frees: str) -> None:
+        path = self.frees_path(entry)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text(path, f"{frees}\n", 0o644)
+
+    def sleep(self, entry: Entry, frees: str = ALL) -> Slept:
         """POST /sleep?level=1 (never level 2: after a level-2 wake vLLM does not reload MTP
-        drafts, vLLM #52479), the cards' used memory read right before and after."""
+        drafts, vLLM #52479), the cards' used memory read right before and after. An engine
+        started with the plugin is told first what this sleep frees (`frees`: kv, or all)."""
+        if self.frees_path(entry).exists():
+            self._say_frees(entry, frees)
         before = total_used(self.probe.memory())
         began = time.monotonic()
         self._post(entry, f"/sleep?level={SLEEP_LEVEL}", "sleep")
@@ -310,19 +341,23 @@ class StackLifecycle:
                 if stack.engine.state().running and health_status(entry.url) == 200:
                     sleeping = is_sleeping(entry.url)
                     found.append(Adopted(entry, entry.url, sleeping is True,
-                                         recorded_util(state), sleeping is not None))
+                                         recorded_util(state), sleeping is not None,
+                                         self._last_frees(entry)))
         return found
 
 
 def with_start_options(resolved: Resolved, util: float | None, sleep_mode: bool, *,
-                       plugins: Path | None = None, inherited: str = "") -> Resolved:
+                       plugins: Path | None = None, inherited: str = "",
+                       frees_file: Path | None = None) -> Resolved:
     """The profile as the router starts it: at the share of the card its plan leaves
     (VLLM_GPU_MEM_UTIL), and in sleep mode with vLLM's --enable-sleep-mode and
     VLLM_SERVER_DEV_MODE=1 (its /sleep and /wake_up; the engine listens on loopback only, see
     catalog); with `plugins` (ROUTER_SLEEP_FREES=kv) its sleep frees only the KV cache: the
     plugin folder goes first on the engine's PYTHONPATH (before the profile's own, or the
     caller's, `inherited`, which it would otherwise replace) and VLLMSTACK_SLEEP_FREES=kv turns it
-    on. As --set overrides: state.json records them, so `status` resolves the same."""
+    on; `frees_file` is where it reads what each sleep frees (a kv-released engine deepened to
+    level 1 backs its weights up). As --set overrides: state.json records them, so `status`
+    resolves the same."""
     values = dict(resolved.values)
 
     def put(key: str, value: str) -> None:
@@ -341,6 +376,8 @@ def with_start_options(resolved: Resolved, util: float | None, sleep_mode: bool,
             paths = [str(plugins), *(p for p in (given.get("PYTHONPATH") or inherited).split(":")
                                      if p and p != str(plugins))]
             words += [f"{FREES_ENV}=kv", shlex.quote("PYTHONPATH=" + ":".join(paths))]
+            if frees_file is not None:
+                words.append(shlex.quote(f"{FREES_FILE_ENV}={frees_file}"))
         if words:
             put("ENGINE_ENV", " ".join([env, *words]).strip())
     return dataclasses.replace(resolved, values=values)

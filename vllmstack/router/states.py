@@ -124,6 +124,7 @@ class Adopted:
     asleep: bool = False
     util: float | None = None
     sleep_mode: bool = True  # started able to sleep (its dev-mode /is_sleeping answers)
+    frees: str | None = None  # what its last sleep freed (kv, all; None: not known)
 
 
 class Lifecycle(Protocol):
@@ -150,9 +151,11 @@ class Lifecycle(Protocol):
     def adoptable(self, catalog: Catalog) -> list[Adopted]:
         """Healthy engines of the catalog's profiles that already run."""
 
-    def sleep(self, entry: Entry) -> Slept:
+    def sleep(self, entry: Entry, frees: str = "all") -> Slept:
         """Put a loaded engine to sleep (level 1: weights to host RAM, KV cache dropped; never
-        level 2, after which vLLM does not reload MTP drafts). StackError on failure."""
+        level 2, after which vLLM does not reload MTP drafts). `frees`: "kv" keeps the weights
+        on the card (kv-released; an engine started with frees="kv"), "all" backs them up.
+        StackError on failure."""
 
     def wake(self, entry: Entry) -> float:
         """Wake it; the seconds it took. StackError on failure."""

@@ -15,7 +15,7 @@ from dataclasses import replace
 from vllmstack.core.errors import StackError
 from vllmstack.router.catalog import Entry
 from vllmstack.router.member import Member
-from vllmstack.router.plan import GIB, MARGIN, RESTART, Arrangement, judge_sleep
+from vllmstack.router.plan import ALL, GIB, KV, MARGIN, RESTART, Arrangement, judge_sleep
 from vllmstack.router.pool import Pool, Waiter
 from vllmstack.router.states import (
     ASLEEP,
@@ -27,6 +27,15 @@ from vllmstack.router.states import (
     UNLOADING,
     WAKING,
     Swap,
+)
+from vllmstack.router.tiers import (
+    AWAKE,
+    HOST,
+    KV_RELEASED,
+    SLEEP_TIERS,
+    STOPPED,
+    WAKES_KEPT,
+    Tier,
 )
 
 MIN_SHARE = 0.05  # vLLM's own lower bound for gpu_memory_utilization in the schema
@@ -46,10 +55,13 @@ async def switch(pool: Pool, target: Entry | None, arrangement: Arrangement,
             raise StackError(arrangement.why, "lower VLLM_GPU_MEM_UTIL of the profiles that run "
                              "together, or let the router stop the others (ROUTER_SWAP=restart)")
         why = f"to load {target.id}" if target is not None else f"({reason})"
-        for name in arrangement.sleep:
-            await put_away(pool, pool.members[name], swap, why, sleep_it=True)
-        for name in arrangement.stop:
-            await put_away(pool, pool.members[name], swap, why, sleep_it=False)
+        for move in arrangement.moves:  # awake ones down a tier, then the stops, the deepenings
+            other = pool.members[move.member]
+            if move.frm != AWAKE and move.to != STOPPED:
+                await deepen(pool, other, move.to, swap)
+            else:
+                await put_away(pool, other, swap, why, sleep_it=move.to != STOPPED,
+                               tier=move.to)
         if member is None:
             return
         await bring_up(pool, member, arrangement, swap, waiter)
@@ -80,9 +92,9 @@ async def switch(pool: Pool, target: Entry | None, arrangement: Arrangement,
 
 
 async def put_away(pool: Pool, member: Member, swap: Swap, why: str, *,
-                   sleep_it: bool) -> None:
-    """Drain one engine that gives way, then sleep it (sleep mode, ready) or stop it; `why`
-    ends the reason a request cut by the drain timeout is given."""
+                   sleep_it: bool, tier: Tier | None = None) -> None:
+    """Drain one engine that gives way, then sleep it into `tier` (sleep mode, ready) or stop
+    it; `why` ends the reason a request cut by the drain timeout is given."""
     sleeps = sleep_it and member.ready and member.sleeps
     if member.ready:
         action = f"puts {member.id} to sleep" if sleeps else f"unloads {member.id}"
@@ -92,7 +104,7 @@ async def put_away(pool: Pool, member: Member, swap: Swap, why: str, *,
         sleeps = sleeps and member.ready
     began = pool.clock()
     if sleeps:
-        slept = await sleep(pool, member, stop_unreleased=True)
+        slept = await sleep(pool, member, stop_unreleased=True, tier=tier)
         swap.sleep_s += pool.clock() - began
         if slept:
             swap.slept += (member.id,)
@@ -103,6 +115,34 @@ async def put_away(pool: Pool, member: Member, swap: Swap, why: str, *,
         await stop(pool, member)
         swap.stop_s += pool.clock() - began
         swap.stopped += (member.id,)
+
+
+async def deepen(pool: Pool, member: Member, tier: Tier, swap: Swap) -> None:
+    """A kv-released engine to level 1: woken, then put to sleep backing its weights up (vLLM
+    has no way to deepen a sleep in place). Its wake needs its KV cache back on the card for a
+    moment: where the card has no room for it now, it is stopped instead."""
+    if not member.asleep or member.slept_in == tier:
+        return  # it changed since the plan was made: nothing to deepen
+    need, began = pool.plan.needs[member.id], pool.clock()
+    cards = await asyncio.to_thread(pool.lifecycle.memory)
+    if cards and pool.plan.card is not None:
+        used = cards[:max(1, need.gpus)]
+        total, free = min(c.total_bytes for c in used), min(c.free_bytes for c in used)
+        want = int(total * (member.util or need.util)) - (member.residue or need.residue)
+        if free - MARGIN < want:
+            pool.say(f"{member.id}: no room to wake it for its level-1 sleep ({free / GIB:.1f} "
+                     f"GiB free, its wake needs {want / GIB:.1f} GiB): stopping it instead")
+            await stop(pool, member)
+            swap.stop_s += pool.clock() - began
+            swap.stopped += (member.id,)
+            return
+    pool.say(f"{member.id}: kv-released -> {tier} (woken, then its weights to host RAM)")
+    await wake(pool, member)
+    if await sleep(pool, member, stop_unreleased=True, tier=tier):
+        swap.slept += (member.id,)
+    else:
+        swap.stopped += (member.id,)
+    swap.sleep_s += pool.clock() - began
 
 
 async def bring_up(pool: Pool, member: Member, arrangement: Arrangement, swap: Swap,
@@ -141,6 +181,7 @@ async def bring_up(pool: Pool, member: Member, arrangement: Arrangement, swap: S
             swap.start_s = pool.clock() - began
         member.url, member.util = loaded.url, util if util is not None else member.util
         member.load_s = swap.start_s
+        measured(pool, member, STOPPED, wake_s=swap.start_s)
         swap.boot_s, swap.warmup_s, swap.util = loaded.boot_s, loaded.warmup_s, util
         if member.sleeps and not member.primed:
             # Always here, before the engine is declared ready: the first sleep is part of the
@@ -175,8 +216,8 @@ async def make_room(pool: Pool, member: Member, util: float | None, swap: Swap, 
         used = cards[:max(1, need.gpus)]
         total, free = min(c.total_bytes for c in used), min(c.free_bytes for c in used)
         share = util if util is not None else need.util
-        want = (int(total * (member.util or share)) - (member.residue or need.residue)
-                if waking else int(total * share))
+        held = member.residue or need.residue_at(pool.tier(member))  # what it holds asleep
+        want = int(total * (member.util or share)) - held if waking else int(total * share)
         if free - MARGIN >= want:
             return util
         room = int((free - MARGIN) / total * 1000) / 1000
@@ -200,14 +241,18 @@ async def make_room(pool: Pool, member: Member, util: float | None, swap: Swap, 
         swap.stopped += (victim.id,)
 
 
-async def sleep(pool: Pool, member: Member, *, stop_unreleased: bool) -> bool:
-    """Put a ready engine to sleep (level 1) and check the card released its memory. False when
-    it did not (or the sleep failed): the profile swaps by restart from now on, and the engine is
-    stopped (`stop_unreleased`) or woken again."""
-    entry = member.entry
+async def sleep(pool: Pool, member: Member, *, stop_unreleased: bool,
+                tier: Tier | None = None) -> bool:
+    """Put a ready engine to sleep into `tier` (None: its profile's first sleep tier;
+    kv-released frees the KV cache only, asleep is level 1) and check the card released its
+    memory. False when it did not (or the sleep failed): the profile swaps by restart from now
+    on, and the engine is stopped (`stop_unreleased`) or woken again."""
+    entry, need = member.entry, pool.plan.needs[member.id]
+    tier = tier if tier in SLEEP_TIERS else (need.sleep_tiers[0] if need.sleep_tiers else HOST)
     pool.set_state(member, SLEEPING)
     try:
-        slept = await asyncio.to_thread(pool.lifecycle.sleep, entry)
+        slept = await asyncio.to_thread(pool.lifecycle.sleep, entry,
+                                        KV if tier == KV_RELEASED else ALL)
     except StackError as exc:
         if not stop_unreleased and not await answers(pool, member):
             # Its process is gone (issue 35: a dead engine was marked ready here): not a
@@ -224,25 +269,24 @@ async def sleep(pool: Pool, member: Member, *, stop_unreleased: bool) -> bool:
         else:
             pool.set_state(member, READY)
         return False
-    verdict = judge_sleep(pool.plan, member.id, member.util, slept.before, slept.after)
+    verdict = judge_sleep(pool.plan, member.id, member.util, slept.before, slept.after, tier)
     if not verdict.released:
         fall_back(pool, member, f"its sleep did not release the GPU memory: {verdict.text}")
+        member.slept_in = tier
         if stop_unreleased:
             await stop(pool, member)
         else:
             pool.set_state(member, ASLEEP)
             await wake(pool, member)
         return False
+    member.slept_in = tier
     if verdict.residue is not None:
         member.residue = verdict.residue
-        pool.plan.needs[member.id] = replace(pool.plan.needs[member.id], residue=verdict.residue,
-                                             measured=True)
-        pool.remember(entry.profile, {"residue_bytes": verdict.residue, "util": member.util,
-                                      "frees": pool.plan.needs[member.id].frees})
+        measured(pool, member, tier, residue=verdict.residue)
     first = not member.primed
     member.primed = True
     pool.set_state(member, ASLEEP)
-    pool.say(f"{member.id} asleep after {slept.seconds:.2f} s"
+    pool.say(f"{member.id} {tier} after {slept.seconds:.2f} s"
              + (" (its first sleep)" if first else "") + f"; {verdict.text}")
     return True
 
@@ -270,18 +314,42 @@ def fall_back(pool: Pool, member: Member, why: str, *, keep: bool = True) -> Non
 
 
 async def wake(pool: Pool, member: Member) -> None:
+    tier = pool.tier(member)
     pool.set_state(member, WAKING)
     seconds = await asyncio.to_thread(pool.lifecycle.wake, member.entry)
     member.last_ok = pool.clock()
+    member.slept_in = None
     pool.set_state(member, READY)
-    pool.say(f"{member.id} awake after {seconds:.2f} s")
+    measured(pool, member, tier, wake_s=seconds)
+    pool.say(f"{member.id} awake after {seconds:.2f} s (from {tier})")
+
+
+def measured(pool: Pool, member: Member, tier: Tier, *, wake_s: float | None = None,
+             residue: int | None = None) -> None:
+    """Keep what a wake (from `tier`; a start: from stopped) took or a sleep left on the card,
+    in the plan (its expected swap times) and the store (generated/router/memory.json)."""
+    need = pool.plan.needs[member.id]
+    figures: dict[str, object] = {}
+    if wake_s is not None:
+        wakes = {**need.wakes, tier: (*need.wakes.get(tier, ()), round(wake_s, 3))[-WAKES_KEPT:]}
+        need = replace(need, wakes=wakes)
+        figures["wake_s"] = list(wakes[tier])
+    if residue is not None:
+        first = need.sleep_tiers[0] if need.sleep_tiers else HOST
+        need = (replace(need, residue=residue, measured=True) if tier == first else
+                replace(need, host_residue=residue, host_measured=True))
+        figures["residue_bytes"] = residue
+    pool.plan.needs[member.id] = need
+    pool.remember(member.entry.profile, {"tiers": {str(tier): figures}, "util": member.util})
 
 
 async def pay_first_sleep(pool: Pool, member: Member, swap: Swap) -> None:
     """Sleep and wake once: vLLM pins its host buffers at the first sleep (12 s for an 8B, 41 s
     for a 27B), so no swap later pays for it."""
     began = pool.clock()
-    if await sleep(pool, member, stop_unreleased=False):
+    tiers = pool.plan.needs[member.id].sleep_tiers
+    # Level 1 where it may go there: that sleep pins the host buffers, a kv-released one none.
+    if await sleep(pool, member, stop_unreleased=False, tier=HOST if HOST in tiers else None):
         swap.sleep_s += pool.clock() - began
         woke = pool.clock()
         await wake(pool, member)
@@ -301,6 +369,7 @@ async def stop(pool: Pool, member: Member) -> None:
         pool.set_state(member, FAILED, error)
         raise StackError(f"{member.id} could not be stopped: {error.cause}", error.fix) from exc
     member.started, member.url, member.util, member.swap = False, None, None, None
+    member.slept_in = None
     member.adopted = False
     if member.temporary:  # started anew, it sleeps as its profile says
         need = pool.plan.needs[member.id]

@@ -111,17 +111,22 @@ def snapshot(pool: Pool) -> dict[str, Any]:
     state = shown.state if shown else UNLOADED
     engines: dict[str, Any] = {}
     for member in pool.members.values():
-        need = plan.needs[member.id]
+        need, tier = plan.needs[member.id], pool.tier(member)
         budget = plan.budget(member.id, member.util) * need.gpus if plan.card else None
         engines[member.id] = {
-            "state": member.state, "url": member.url, "swap": member.mode, "why": member.why,
+            "state": member.state, "profile": member.entry.profile, "url": member.url,
+            "swap": member.mode, "why": member.why,
             "util": member.util, "primed": member.primed, "inflight": member.inflight,
-            "gpu_gib": round((budget if member.ready else need.residue * need.gpus
+            "gpu_gib": round((budget if member.ready else need.residue_at(tier) * need.gpus
                               if member.asleep else 0) / GIB, 2) if budget is not None else None,
             "budget_gib": round(budget / GIB, 2) if budget is not None else None,
             "residue_gib": round(need.residue / GIB, 2), "residue_measured": need.measured,
-            "host_gib": round((need.backup if member.asleep else 0) / GIB, 2),
+            "host_gib": round(need.backup_at(tier) / GIB, 2),
             "sleep_frees": need.frees if member.mode == "sleep" else None,
+            # Its tier (awake, kv-released, asleep, stopped), those it may sleep in, and what
+            # bringing it back from there is expected to take (measured history, else defaults).
+            "tier": tier, "sleep_tiers": [str(t) for t in need.sleep_tiers],
+            "swap_s": pool.expected_s(member),
             "weights_gib": round(need.host / GIB, 2),
             "idle_s": round(now - member.last_used, 1) if member.started else None,
             **first_token(pool.first_tokens[member.id]),

@@ -23,7 +23,7 @@ from vllmstack.core.errors import StackError
 from vllmstack.core.files import JsonFileError, read_json_file
 from vllmstack.core.paths import Project
 from vllmstack.observe.health import health_status, is_sleeping
-from vllmstack.serve.running import ROUTER_FILE, router_alive
+from vllmstack.serve.running import ROUTER_FILE, router_alive, router_tiers
 from vllmstack.serve.stack import LifecycleError, Stack, open_stack
 from vllmstack.serve.state import StateError, read_state
 
@@ -67,8 +67,10 @@ def answering_others(project: Project, slot: str, siblings: frozenset[str]) -> l
 
 def named_report(project: Project) -> list[dict[str, Any]]:
     """`status` for every named engine: profile, URL, whether it answers, and asleep or awake
-    (vLLM's /is_sleeping, for an engine in sleep mode)."""
+    (vLLM's /is_sleeping, for an engine in sleep mode); with a live router, its tier and the
+    swap back the router expects from there (generated/router.json)."""
     out = []
+    tiers = router_tiers(project)
     for engine in recorded_engines(project):
         if not engine.slot:
             continue
@@ -76,8 +78,10 @@ def named_report(project: Project) -> list[dict[str, Any]]:
         asleep = is_sleeping(engine.url, timeout=1.0) if code == 200 else None
         state = ("not answering" if code is None else "asleep" if asleep else
                  "healthy" if code == 200 else f"/health {code}")
+        tier = tiers.get(engine.profile or "", {})
         out.append({"name": engine.slot, "profile": engine.profile or None, "url": engine.url,
-                    "healthy": code == 200, "asleep": bool(asleep), "state": state})
+                    "healthy": code == 200, "asleep": bool(asleep), "state": state,
+                    "tier": tier.get("tier"), "swap_s": tier.get("swap_s")})
     return out
 
 

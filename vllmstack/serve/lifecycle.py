@@ -462,8 +462,11 @@ def render_status(report: dict[str, Any]) -> str:
     for member in report["containers"]:
         lines.append(f"  {member.get('name')}: {member.get('state')} ({member.get('status')})")
     for named in report.get("engines") or []:
+        tier = named.get("tier")
+        swap = named.get("swap_s")
         lines.append(f"engine {named['name']}: {named['state']} (profile {named['profile']}, "
-                     f"{named['url']})")
+                     f"{named['url']}" + (f"; router tier {tier}" if tier else "")
+                     + (f", swap back ~{swap:.2f} s" if tier and swap else "") + ")")
     return "\n".join(lines)
 
 

@@ -72,6 +72,27 @@ def _router_resident(project: Project) -> Running | None:
     return Running(profile, platform, (), f"generated/{ROUTER_FILE} (the router's resident model)")
 
 
+def router_tiers(project: Project) -> dict[str, dict[str, Any]]:
+    """Per profile, the tier a live router's record says its engine is in (awake, kv-released,
+    asleep, stopped) and the swap back from there it expects (`swap_s`); {} with no router."""
+    try:
+        data = read_json_file(project.generated / ROUTER_FILE)
+    except JsonFileError:
+        return {}
+    if not isinstance(data, dict) or not router_alive(data):
+        return {}
+    engines = data.get("engines")
+    found: dict[str, dict[str, Any]] = {}
+    for figures in engines.values() if isinstance(engines, dict) else ():
+        if isinstance(figures, dict) and isinstance(figures.get("profile"), str) \
+                and isinstance(figures.get("tier"), str):
+            swap_s = figures.get("swap_s")
+            found[figures["profile"]] = {
+                "tier": figures["tier"],
+                "swap_s": swap_s if isinstance(swap_s, (int, float)) else None}
+    return found
+
+
 def router_alive(record: dict[str, Any], procs: ProcTable | None = None) -> bool:
     """Whether the router a router.json names still runs: the same pid, start time (clock ticks
     after boot) and boot, so a pid a later program reused is not taken for the router."""

@@ -264,10 +264,12 @@ async function pollRouter() {
         return tr;
       };
       const secs = (v) => (v === null || v === undefined) ? "–" : Number(v).toFixed(2);
-      // Per engine: awake or asleep, how it swaps, what it holds on the card and in host RAM.
+      // Per engine: awake or asleep, how it swaps, its tier (and the swap back from there it
+      // expects), what it holds on the card and in host RAM.
       $("router-engines").replaceChildren(...Object.entries(r.engines || {})
         .filter(([, e]) => e.state !== "unloaded")
         .map(([id, e]) => row([id, e.state === "ready" ? "awake" : e.state, e.swap,
+                               e.tier ? `${e.tier}${e.swap_s ? ` (${secs(e.swap_s)} s)` : ""}` : "–",
                                e.gpu_gib ?? "–", e.host_gib ?? "–"])));
       // The last swaps with their split: sleep (what gave way), stop, wake or load, first answer.
       $("router-swaps").replaceChildren(...(r.swaps || []).slice(-5).reverse().map((s) =>
