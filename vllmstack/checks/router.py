@@ -23,8 +23,8 @@ def rule_router_swap(ctx: CheckContext) -> list[Finding]:
             f"ROUTER_SLEEP_FREES=kv with GPU_VENDOR={vendor}: a sleep that keeps the weights on "
             "the card was measured on CUDA only; where it does not release the KV cache the "
             "router's check after the sleep sends the profile back to restart",
-            fix="ROUTER_SLEEP_FREES=auto (kv on CUDA where the weights fit, else vLLM's own "
-                "level 1)"))
+            fix="ROUTER_SLEEP_FREES=auto (per engine: kv-released then level 1 on CUDA, "
+                "vLLM's own level 1 elsewhere)"))
     if not ctx.usable("ROUTER_SWAP") or ctx.get("ROUTER_SWAP") != "sleep":
         return out
     if vendor not in SLEEP_VENDORS:
