@@ -194,6 +194,12 @@ def _environment(resolved: Resolved, layout: Layout) -> tuple[dict[str, str], li
 
 def _parallel_gpus(argv: list[str]) -> int:
     """TP x PP x DP as the argv says (the last occurrence of a flag wins, as in argparse)."""
+    sizes = parallel_sizes(argv)
+    return sizes["tp"] * sizes["pp"] * sizes["dp"]
+
+
+def parallel_sizes(argv: list[str]) -> dict[str, int]:
+    """{"tp": .., "pp": .., "dp": ..} as the argv says (the last occurrence of a flag wins)."""
     sizes = {"tp": 1, "pp": 1, "dp": 1}
     for index, word in enumerate(argv):
         flag, eq, value = word.partition("=")
@@ -201,7 +207,7 @@ def _parallel_gpus(argv: list[str]) -> int:
             text = value if eq else (argv[index + 1] if index + 1 < len(argv) else "")
             if text.isdigit():
                 sizes[PARALLEL_FLAGS[flag]] = int(text)
-    return sizes["tp"] * sizes["pp"] * sizes["dp"]
+    return sizes
 
 
 def _collect_files(project: Project, spec: EngineSpec, labels: Mapping[str, str] | None) -> None:
