@@ -21,7 +21,7 @@ from test_export import ENV, MODELS, PAIRS, config_argv, errors, k8s_word
 from vllmstack.config.engines.table import engine_kind
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import RecordingRunner
-from vllmstack.export import crds, multinode, service
+from vllmstack.export import crds, multinode, runline, service
 from vllmstack.export.spec import ExportError
 
 PP2 = "VLLM_EXTRA_ARGS=--pipeline-parallel-size 2"
@@ -109,6 +109,19 @@ def test_every_profile_exports_to_llm_d(project: Project, platform: str, model: 
     assert container["startupProbe"]["httpGet"]["path"] == "/health"
     pre = documents(p, f"{model}.yaml")
     assert "PersistentVolumeClaim" in {d["kind"] for d in pre}
+    # Without Kubernetes: the router's endpoints file and config, the engine's podman run line.
+    endpoints = yaml.safe_load(p.files[f"{model}.endpoints.yaml"])
+    assert crds.validate_own(endpoints, crds.LLMD_ENDPOINTS_SCHEMA) == []
+    assert endpoints["endpoints"] == [{"name": p.specs[0].profile.replace(".", "-"),
+                                       "address": "127.0.0.1", "port": str(p.specs[0].port),
+                                       "labels": {"llm-d.ai/model": p.specs[0].served_name,
+                                                  "vllmstack/profile": model}}]
+    config = yaml.safe_load(p.files[f"{model}.epp-config.yaml"])
+    (discovery,) = [x for x in config["plugins"] if x["type"] == "file-discovery"]
+    assert discovery["parameters"]["path"] == f"/etc/epp/{model}.endpoints.yaml"
+    assert config["dataLayer"]["discovery"]["pluginRef"] == discovery["name"]
+    command = runline.command_of(p.files[f"{model}.run.sh"], p.specs[0].image)
+    assert command == config_argv(project, platform, model)[len(p.specs[0].entrypoint):]
 
 
 @pytest.mark.parametrize(("platform", "model"), PAIRS)
@@ -305,3 +318,48 @@ def test_the_task_takes_the_new_targets_and_the_crd_flag(project: Project, tmp_p
                      "--out", str(tmp_path / "k"))
     assert checked.returncode == 1 and f"(per {crd})" in checked.stderr
     assert not (tmp_path / "k").exists()
+
+
+def test_the_run_line_runs_the_profiles_argv_as_sh_reads_it(project: Project, tmp_path: Path) -> None:
+    """The script itself, run by sh with a stand-in podman that prints the words it got."""
+    import os
+    import subprocess
+    import sys
+
+    p = plan(project, service.LLM_D, SEED[1], SEED[0], "VLLM_EXTRA_ARGS=--api-key sk-do-not-leak")
+    done = service.export(project, p, tmp_path / "out")
+    script = tmp_path / "out" / f"{SEED[1]}.run.sh"
+    assert script in done.written and "sk-do-not-leak" not in script.read_text()
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "podman").write_text(f"#!{sys.executable}\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n")
+    (bin_dir / "podman").chmod(0o755)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "VLLMSTACK_SECRET_API_KEY": "sk-from-env"}
+    result = subprocess.run(["sh", str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    words = json.loads(result.stdout)
+    assert words[:3] == ["run", "-d", "--replace"]
+    image = p.specs[0].image
+    profile = config_argv(project, *SEED, "VLLM_EXTRA_ARGS=--api-key sk-do-not-leak")
+    assert words[words.index(image) + 1:] == [
+        "sk-from-env" if w == "***" else w for w in profile[len(p.specs[0].entrypoint):]]
+    assert f"127.0.0.1:{p.specs[0].port}:{p.specs[0].port}" in words
+    assert words[words.index("--device") + 1] == "/dev/kfd"
+
+
+def test_the_endpoints_file_takes_an_ipv4_address_only(project: Project) -> None:
+    anywhere = plan(project, service.LLM_D, SEED[1], SEED[0], "VLLM_BIND=0.0.0.0")
+    assert yaml.safe_load(anywhere.files[f"{SEED[1]}.endpoints.yaml"])["endpoints"][0]["address"] == "127.0.0.1"
+    assert "export-llmd-address" in {f.code for f in anywhere.findings}
+    lan = plan(project, service.LLM_D, SEED[1], SEED[0], "VLLM_BIND=192.168.1.20")
+    assert yaml.safe_load(lan.files[f"{SEED[1]}.endpoints.yaml"])["endpoints"][0]["address"] == "192.168.1.20"
+    six = plan(project, service.LLM_D, SEED[1], SEED[0], "VLLM_BIND=::1")
+    (refused,) = [f for f in six.findings if f.severity == "error"]
+    assert refused.code == "export-llmd-ipv4" and refused.key == "VLLM_BIND"
+    two = service.plan_export(project, service.LLM_D, [SEED[1], "qwen3-0.6b"], SEED[0], [MODELS], ENV,
+                              RecordingRunner())
+    assert "export-llmd-port-clash" in {f.code for f in two.findings}
+    broken = {"endpoints": [{"name": "a", "address": "engine.local", "port": 8180}]}
+    problems = crds.validate_own(broken, crds.LLMD_ENDPOINTS_SCHEMA)
+    assert any(p.startswith("endpoints.0.address: 'engine.local' does not match") for p in problems)
+    assert any(p.startswith("endpoints.0.port: 8180 is not of type 'string'") for p in problems)

@@ -29,7 +29,8 @@ from vllmstack.export.spec import ExportError
 KSERVE_SCHEMA = "kserve_llmisvc.schema.json"
 LWS_SCHEMA = "lws.schema.json"
 LLMD_SCHEMA = "llmd_values.schema.json"
-OWN_SCHEMAS = (KSERVE_SCHEMA, LWS_SCHEMA, LLMD_SCHEMA)
+LLMD_ENDPOINTS_SCHEMA = "llmd_endpoints.schema.json"
+OWN_SCHEMAS = (KSERVE_SCHEMA, LWS_SCHEMA, LLMD_SCHEMA, LLMD_ENDPOINTS_SCHEMA)
 # A CRD with the whole PodSpec schema is a few MiB (KServe's LLMInferenceService: two PodSpecs
 # per workload); far above that, and the read stays bounded whatever --crd names.
 CRD_MAX_BYTES = 32 * 1024 * 1024

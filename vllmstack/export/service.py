@@ -22,9 +22,9 @@ from vllmstack.core.files import FileWriteError, file_head, writable_folder, wri
 from vllmstack.core.findings import Finding, has_errors, sort_findings
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner
-from vllmstack.export import cluster, crds, helm, kube, quadlet, validate
+from vllmstack.export import cluster, crds, helm, kube, quadlet, runline, standalone, validate
 from vllmstack.export.pod import resource_name
-from vllmstack.export.spec import EngineSpec, ExportError, engine_spec
+from vllmstack.export.spec import PLACEHOLDER, EngineSpec, ExportError, engine_spec
 from vllmstack.export.targets import (
     CHART_TARGETS,
     CRD_TARGETS,
@@ -122,7 +122,7 @@ def plan_profiles(project: Project, target: str, profiles: Sequence[Resolved],
     elif target == QUADLET:
         _plan_quadlet(plan, dict(environ), runner)
     elif target == LLM_D:
-        _plan_llmd(plan, chart)
+        _plan_llmd(plan, chart, dict(environ))
     else:
         _plan_resource(plan, target, crd_schema)
     plan.findings = sort_findings(_unique(plan.findings))
@@ -240,8 +240,11 @@ def _plan_crd(plan: Plan, resource: dict[str, Any], file: Path, validator: Any) 
                           "server applies it)")
 
 
-def _plan_llmd(plan: Plan, chart: tuple[Path, Any] | None) -> None:
-    """--to llm-d: per profile, the modelservice chart's values and the manifests it needs."""
+def _plan_llmd(plan: Plan, chart: tuple[Path, Any] | None, environ: dict[str, str]) -> None:
+    """--to llm-d: per profile, the modelservice chart's values and the manifests it needs; and
+    the same engines without Kubernetes: the router's endpoints file and config, and each
+    engine's `podman run` line."""
+    endpoints: list[tuple[EngineSpec, str]] = []
     for spec in plan.specs:
         values, documents, findings = cluster.build_llmd_values(spec)
         plan.findings += findings
@@ -278,6 +281,37 @@ def _plan_llmd(plan: Plan, chart: tuple[Path, Any] | None) -> None:
             f"# {MARKER} --to {LLM_D}` for {spec.profile} on {spec.platform}.\n"
             f"# helm install {release} llm-d-modelservice/llm-d-modelservice --version "
             f"{cluster.LLMD_CHART_VERSION} -f {name} (docs/export.md)\n" + _yaml(values))
+        address, findings = standalone.endpoint_address(spec)
+        plan.findings += findings
+        container, _, findings = quadlet.unit_entries(spec, spec.resolved, environ)
+        plan.findings += [f for f in findings if f.severity != "info"]
+        script = runline.run_script(
+            f"# {MARKER} --to {LLM_D}` for {spec.profile} on {spec.platform}: the engine without\n"
+            f"# Kubernetes, the container of `--to {QUADLET}`; the llm-d router finds it through "
+            f"{spec.profile}.endpoints.yaml.\n", *runline.run_words(container))
+        wanted = [PLACEHOLDER.sub(r"${\1}", w) for w in spec.command_args]
+        if runline.command_of(script, spec.image) != wanted:
+            plan.findings.append(_invalid(f"{spec.profile}.run.sh: the words after the image are "
+                                          "not the profile's argv"))
+        plan.validated.append(f"{spec.profile}.run.sh: read back as sh reads it, the profile's argv")
+        plan.files[f"{spec.profile}.run.sh"] = script
+        if address is None:
+            continue
+        endpoints.append((spec, address))
+        # One router per model: its endpoints are the engines of that model only.
+        document = standalone.endpoints_document([(spec, address)])
+        files = standalone.file_names(spec)
+        _checked(plan, lambda d=document: crds.validate_own(d, crds.LLMD_ENDPOINTS_SCHEMA),
+                 f"{files.endpoints} against the stack's schema of the llm-d router's endpoints "
+                 f"file ({crds.shown(crds.LLMD_ENDPOINTS_SCHEMA)})")
+        plan.files[files.endpoints] = (
+            f"# {MARKER} --to {LLM_D}` for the llm-d router of {spec.profile}, without Kubernetes:\n"
+            f"# copy it to {files.path} (docs/export.md)\n" + _yaml(document))
+        plan.files[files.config] = (
+            f"# {MARKER} --to {LLM_D}`: the config of {spec.profile}'s llm-d router, reading "
+            f"{files.path}\n# (epp --config-file {files.config}; docs/export.md)\n"
+            + _yaml(standalone.epp_config(files.path)))
+    plan.findings += standalone.clashes(endpoints)
 
 
 def _checked(plan: Plan, check: Any, how: str) -> None:
