@@ -332,7 +332,8 @@ def test_the_run_line_runs_the_profiles_argv_as_sh_reads_it(project: Project, tm
     assert script in done.written and "sk-do-not-leak" not in script.read_text()
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "podman").write_text(f"#!{sys.executable}\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n")
+    (bin_dir / "podman").write_text(
+        f"#!{sys.executable}\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n")
     (bin_dir / "podman").chmod(0o755)
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "VLLMSTACK_SECRET_API_KEY": "sk-from-env"}
     result = subprocess.run(["sh", str(script)], env=env, capture_output=True, text=True, timeout=60)
@@ -349,7 +350,8 @@ def test_the_run_line_runs_the_profiles_argv_as_sh_reads_it(project: Project, tm
 
 def test_the_endpoints_file_takes_an_ipv4_address_only(project: Project) -> None:
     anywhere = plan(project, service.LLM_D, SEED[1], SEED[0], "VLLM_BIND=0.0.0.0")
-    assert yaml.safe_load(anywhere.files[f"{SEED[1]}.endpoints.yaml"])["endpoints"][0]["address"] == "127.0.0.1"
+    (entry,) = yaml.safe_load(anywhere.files[f"{SEED[1]}.endpoints.yaml"])["endpoints"]
+    assert entry["address"] == "127.0.0.1"
     assert "export-llmd-address" in {f.code for f in anywhere.findings}
     lan = plan(project, service.LLM_D, SEED[1], SEED[0], "VLLM_BIND=192.168.1.20")
     assert yaml.safe_load(lan.files[f"{SEED[1]}.endpoints.yaml"])["endpoints"][0]["address"] == "192.168.1.20"
