@@ -365,3 +365,33 @@ def test_the_endpoints_file_takes_an_ipv4_address_only(project: Project) -> None
     problems = crds.validate_own(broken, crds.LLMD_ENDPOINTS_SCHEMA)
     assert any(p.startswith("endpoints.0.address: 'engine.local' does not match") for p in problems)
     assert any(p.startswith("endpoints.0.port: 8180 is not of type 'string'") for p in problems)
+
+
+def test_an_image_from_a_registry_is_pinned_by_its_digest(project: Project) -> None:
+    from vllmstack.core.runner import Result
+
+    image = "ghcr.io/example/vllm-fullbuild:v0.31.0"
+    digest = "ghcr.io/example/vllm-fullbuild@sha256:" + "ab" * 32
+    runner = RecordingRunner()
+    runner.respond(["docker", "image", "inspect", "--format", "{{json .RepoDigests}}"],
+                   Result((), 0, json.dumps(["docker.io/other/name@sha256:" + "cd" * 32, digest])))
+
+    def exported(target: str, *sets: str) -> service.Plan:
+        return service.plan_export(project, target, [SEED[1]], SEED[0],
+                                   [MODELS, f"VLLM_IMAGE={image}", *sets], ENV, runner)
+
+    isvc = of_kind(documents(exported(service.KSERVE), f"{SEED[1]}.yaml"), "LLMInferenceService")
+    assert isvc["spec"]["template"]["containers"][0]["image"] == digest
+    assert isvc["metadata"]["annotations"]["vllmstack/image-digest"] == digest
+    lws = of_kind(documents(exported(service.LWS, PP2), f"{SEED[1]}.yaml"), "LeaderWorkerSet")
+    for role in ("leaderTemplate", "workerTemplate"):
+        assert lws["spec"]["leaderWorkerTemplate"][role]["spec"]["containers"][0]["image"] == digest
+    values = yaml.safe_load(exported(service.LLM_D).files[f"{SEED[1]}.values.yaml"])
+    assert values["decode"]["containers"][0]["image"] == digest
+    # A build that never left this host has no registry digest: the name is kept.
+    assert spec_digest(RecordingRunner(), image) is None
+
+
+def spec_digest(runner: RecordingRunner, image: str) -> str | None:
+    from vllmstack.export.spec import read_image_digest
+    return read_image_digest(runner, "docker", image)

@@ -70,9 +70,15 @@ def _hf_hub_cache(spec: EngineSpec, container: dict[str, Any]) -> None:
 
 
 def _node_pods(spec: EngineSpec, layout: Layout) -> tuple[EnginePod, EnginePod]:
-    leader = engine_pod(spec, spec.entrypoint, node_args(spec, layout, leader=True))
-    worker = engine_pod(spec, spec.entrypoint, node_args(spec, layout, leader=False), probes=False)
+    leader = _pinned(spec, engine_pod(spec, spec.entrypoint, node_args(spec, layout, leader=True)))
+    worker = _pinned(spec, engine_pod(spec, spec.entrypoint, node_args(spec, layout, leader=False),
+                                      probes=False))
     return leader, worker
+
+
+def _pinned(spec: EngineSpec, pod: EnginePod) -> EnginePod:
+    pod.container["image"] = spec.pinned_image
+    return pod
 
 
 def build_llmisvc(spec: EngineSpec) -> tuple[list[dict[str, Any]], list[Finding]]:
@@ -95,7 +101,7 @@ def build_llmisvc(spec: EngineSpec) -> tuple[list[dict[str, Any]], list[Finding]
     name = resource_name(spec.profile, "vllmstack-")
     workload: dict[str, Any] = {"replicas": 1, "labels": labels(spec), "annotations": describe(spec)}
     if layout is None:
-        pod = engine_pod(spec, spec.entrypoint, spec.command_args)
+        pod = _pinned(spec, engine_pod(spec, spec.entrypoint, spec.command_args))
         findings += pod.findings
         documents = list(pod.documents)
         workload["template"] = _kserve_pod(spec, pod)
@@ -194,7 +200,7 @@ def build_llmd_values(spec: EngineSpec) -> tuple[dict[str, Any], list[dict[str, 
             fix="export it with --to lws or --to kserve, which spread it over nodes"))
     if any(f.severity == "error" for f in findings):
         return {}, [], findings
-    pod = engine_pod(spec, spec.entrypoint, spec.command_args)
+    pod = _pinned(spec, engine_pod(spec, spec.entrypoint, spec.command_args))
     findings += pod.findings
     container = copy.deepcopy(pod.container)
     container.update(name=LLMD_CONTAINER, modelCommand="custom", mountModelVolume=False)
