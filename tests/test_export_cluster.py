@@ -87,6 +87,8 @@ def test_every_profile_exports_to_kserve(project: Project, platform: str, model:
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["HF_HUB_CACHE"] == "/cache/huggingface/hub"  # not KServe's /models emptyDir
     assert isvc["metadata"]["annotations"]["vllmstack/argv"] == json.dumps(p.specs[0].argv)
+    # KServe's InferencePool selects its pods by app.kubernetes.io/name; spec.labels would win.
+    assert not any(k.startswith("app.kubernetes.io/") for k in isvc["spec"]["labels"])
 
 
 @pytest.mark.parametrize(("platform", "model"), PAIRS)

@@ -39,8 +39,10 @@ LLMD_CHART_VERSION = "v0.4.0"
 # The container keys llm-d-modelservice reads itself and never writes into the pod.
 LLMD_CHART_KEYS = ("modelCommand", "mountModelVolume")
 WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
-# KServe's well-known configs start vLLM on 8000 and route there.
+# KServe's well-known configs start vLLM on 8000 and route there (the InferencePool's
+# targetPorts in config/llmisvcconfig/config-llm-scheduler.yaml).
 KSERVE_PORT = 8000
+PROFILE_LABEL = "vllmstack/profile"
 
 
 def model_uri(spec: EngineSpec) -> str:
@@ -99,7 +101,11 @@ def build_llmisvc(spec: EngineSpec) -> tuple[list[dict[str, Any]], list[Finding]
             f"{KSERVE_PORT}", key="VLLM_PORT", source=spec.resolved.source("VLLM_PORT"),
             fix=f"export with --set VLLM_PORT={KSERVE_PORT}, so KServe's route and scheduler reach it"))
     name = resource_name(spec.profile, "vllmstack-")
-    workload: dict[str, Any] = {"replicas": 1, "labels": labels(spec), "annotations": describe(spec)}
+    # spec.labels reach the pods last (llmisvc-label-propagation.md), so a key of KServe's own
+    # would win over it: app.kubernetes.io/name is what its InferencePool selects the pods by
+    # (config-llm-scheduler.yaml). The pods carry the stack's profile label only.
+    workload: dict[str, Any] = {"replicas": 1, "labels": {PROFILE_LABEL: resource_name(spec.profile)},
+                                "annotations": describe(spec)}
     if layout is None:
         pod = _pinned(spec, engine_pod(spec, spec.entrypoint, spec.command_args))
         findings += pod.findings
