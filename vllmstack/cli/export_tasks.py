@@ -25,8 +25,8 @@ EXPORT_VALUES = {"to": EXPORT_TARGET, "chart_schema": PATH, "crd": PATH}
           "manifests) | quadlet (a Podman Quadlet .container unit) | kserve (KServe's "
           "LLMInferenceService) | llm-d (llm-d-modelservice chart values) | lws (a LeaderWorkerSet "
           "for a profile over several nodes)",
-    "model": "model profile, repeatable: production-stack writes one modelSpec each, kube and "
-             "quadlet one set of files each (default: MODEL_PROFILE in .env)",
+    "model": "model profile, repeatable: production-stack writes one modelSpec each, the other "
+             "targets one set of files each (default: MODEL_PROFILE in .env)",
     "out": "folder to write into (default: generated/export/<target>)",
     "chart_schema": "production-stack, llm-d: also validate the values against the chart you "
                     "deploy - its values.schema.json, or the folder `helm pull --untar` makes",
