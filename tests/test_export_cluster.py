@@ -246,7 +246,7 @@ def stand_in_crd(kind: str, group: str, version: str, replicas: str = "integer")
         "spec": {"group": group, "names": {"kind": kind, "plural": "things"}, "scope": "Namespaced",
                  "versions": [{"name": version, "served": True, "storage": True, "schema": {
                      "openAPIV3Schema": {"type": "object", "properties": {
-                         "spec": {"type": "object", "x-kubernetes-preserve-unknown-fields": True,
+                         "spec": {"type": "object",
                                   "properties": {"replicas": {"type": replicas}}}}}}}]}})
 
 
@@ -259,6 +259,14 @@ def test_the_users_crd_is_applied_and_a_bad_one_is_named(project: Project, tmp_p
                                                f"'string' (per {crd})")
     undeclared = {f.message.split(":")[0] for f in p.findings if f.code == "export-crd-undeclared"}
     assert "spec.model" in undeclared and "spec.template" in undeclared
+    # Fields under an object that keeps unknown fields are not pruned: no warning for them.
+    kept = yaml.safe_load(stand_in_crd("LLMInferenceService", "serving.kserve.io", "v1alpha1"))
+    kept["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"][
+        "x-kubernetes-preserve-unknown-fields"] = True
+    listed = tmp_path / "list.yaml"
+    listed.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": [kept]}))
+    p_kept = plan(project, service.KSERVE, SEED[1], SEED[0], crd=listed)
+    assert errors(p_kept) == [] and "export-crd-undeclared" not in {f.code for f in p_kept.findings}
     assert any(str(crd) in how for how in p.validated)
     with pytest.raises(ExportError):
         service.export(project, p, tmp_path / "out")

@@ -87,8 +87,10 @@ def load_crd(path: Path, kind: str, version: str) -> tuple[Path, Any]:
     it; CrdError naming the file, and the line for YAML that does not parse."""
     fix = (f"pass the CRD your cluster has: kubectl get crd {CRD_NAMES.get(kind, kind)} -o yaml "
            "> crd.yaml, then --crd crd.yaml")
-    if not path.is_file():
+    if not path.exists():
         raise CrdError(f"--crd {path}: cannot be read (no such file)", fix)
+    if not path.is_file():
+        raise CrdError(f"--crd {path}: not a file", fix)
     head = file_head(path, CRD_MAX_BYTES + 1) or b""
     if len(head) > CRD_MAX_BYTES:
         raise CrdError(f"--crd {path}: more than {CRD_MAX_BYTES} bytes, far more than a CRD holds", fix)
@@ -99,6 +101,9 @@ def load_crd(path: Path, kind: str, version: str) -> tuple[Path, Any]:
         mark = getattr(exc, "problem_mark", None)
         line = f":{mark.line + 1}" if mark is not None else ""
         raise CrdError(f"{path}{line}: not YAML ({getattr(exc, 'problem', None) or exc})", fix) from None
+    # `kubectl get crd A B -o yaml` writes one List of them.
+    documents += [i for d in documents if d.get("kind") == "List" for i in d.get("items") or []
+                  if isinstance(i, dict)]
     crds = [d for d in documents if d.get("kind") == "CustomResourceDefinition"
             and (d.get("spec") or {}).get("names", {}).get("kind") == kind]
     if not crds:
@@ -126,6 +131,30 @@ def validate_crd(document: dict[str, Any], file: Path, validator: Any) -> tuple[
     not declare and would prune)."""
     problems = validate.schema_problems(document, validator, str(file))
     undeclared = [f"{'.'.join(p)}: not a field {file} declares; the API server would drop it"
-                  for p in validate.undeclared_keys(document, validator.schema, ())
+                  for p in pruned_fields(document, validator.schema, ())
                   if p[0] not in ("apiVersion", "kind", "metadata")]
     return problems, undeclared
+
+
+def pruned_fields(value: Any, schema: Any, path: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """Paths the API server prunes: keys of an object whose schema lists its properties, does
+    not list them, and does not keep unknown fields (x-kubernetes-preserve-unknown-fields)."""
+    if not isinstance(schema, dict):
+        return []
+    out: list[tuple[str, ...]] = []
+    if isinstance(value, dict):
+        properties = schema.get("properties")
+        extra = schema.get("additionalProperties")
+        keeps = schema.get("x-kubernetes-preserve-unknown-fields") is True
+        for key, item in value.items():
+            here = (*path, str(key))
+            if isinstance(properties, dict) and key in properties:
+                out += pruned_fields(item, properties[key], here)
+            elif isinstance(extra, dict):
+                out += pruned_fields(item, extra, here)
+            elif isinstance(properties, dict) and not keeps and extra is not True:
+                out.append(here)
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for index, item in enumerate(value):
+            out += pruned_fields(item, schema["items"], (*path, str(index)))
+    return out
