@@ -15,7 +15,7 @@ project reads it:
   * LeaderWorkerSet (leaderworkerset.x-k8s.io/v1): one group of `size` pods, the leader serving
     the API, workers headless (multinode.py), each pod with its own HF cache from a claim
     template (a ReadWriteOnce volume is one node's), and a Service to the leader;
-  * llm-d-modelservice v0.4.0 (values.yaml, templates/_helpers.tpl): the decode role's one
+  * llm-d-modelservice v0.4.12 (values.yaml, templates/_helpers.tpl): the decode role's one
     container with `modelCommand: custom`, whose command and args the chart writes verbatim,
     vLLM on `routing.servicePort` with the routing sidecar off (no prefill/decode split).
 """
@@ -35,7 +35,7 @@ from vllmstack.export.spec import EngineSpec, describe, parallel_sizes
 
 KSERVE_CONTAINER = "main"
 LLMD_CONTAINER = "vllm"
-LLMD_CHART_VERSION = "v0.4.0"
+LLMD_CHART_VERSION = "v0.4.12"
 # The container keys llm-d-modelservice reads itself and never writes into the pod.
 LLMD_CHART_KEYS = ("modelCommand", "mountModelVolume")
 WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
@@ -216,7 +216,8 @@ def build_llmd_values(spec: EngineSpec) -> tuple[dict[str, Any], list[dict[str, 
         "multinode": False,
         "accelerator": {"type": spec.vendor if spec.vendor in ("amd", "nvidia") else "cpu"},
         "modelArtifacts": {"name": spec.served_name, "uri": model_uri(spec),
-                           "labels": {"llm-d.ai/inferenceServing": "true", "llm-d.ai/model": served}},
+                           # The chart's default label (what its InferencePool selects), and the model.
+                           "labels": {"llm-d.ai/inference-serving": "true", "llm-d.ai/model": served}},
         "routing": {"servicePort": spec.port, "proxy": {"enabled": False}},
         "decode": {"create": True, "replicas": 1,
                    "parallelism": {"tensor": parallel_sizes(spec.argv)["tp"]},
