@@ -208,7 +208,7 @@ def _plan_resource(plan: Plan, target: str, crd: tuple[Path, Any] | None) -> Non
         plan.findings += findings
         if not documents:
             continue
-        resource = documents[-1] if target == KSERVE else documents[-2]
+        (resource,) = [d for d in documents if d["kind"] == CRD_TARGETS[target][0]]
         plain = [d for d in documents if d is not resource]
         name = f"{spec.profile}.yaml"
         _checked(plan, lambda r=resource: crds.validate_own(r, RESOURCE_SCHEMA[target]),
