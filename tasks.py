@@ -80,7 +80,7 @@ def test(c: Context, quick: bool = False, k: str | None = None, slow: bool = Fal
                                     "deep": "also parse the argv with the pinned vLLM's own parser",
                                     "runtime": "check for this runtime (native, compose, compose-v1, "
                                     "podman; default RUNTIME)", "target": "also what does not "
-                                    "translate to an export: kube, production-stack or quadlet"},
+                                    "translate to an export: a name `invoke export --to` takes"},
             values={"target": EXPORT_TARGET})
 def check(c: Context, model: Opt = None, platform: Opt = None, set: Sets = None, runtime: Opt = None,
           json: bool = False, deep: bool = False, verbose: bool = False, target: Opt = None) -> None:

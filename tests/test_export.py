@@ -202,7 +202,8 @@ def test_seed_profile_unit_has_image_argv_and_amd_devices(project: Project, tmp_
 SECRETS = ("HF_TOKEN=hf_do_not_leak", "VLLM_EXTRA_ARGS=--api-key sk-do-not-leak")
 
 
-@pytest.mark.parametrize("target", service.TARGETS)
+# The cluster targets (kserve, llm-d, lws) are checked in test_export_cluster.py.
+@pytest.mark.parametrize("target", (service.PRODUCTION_STACK, service.KUBE, service.QUADLET))
 def test_secrets_are_references_never_values(project: Project, target: str, tmp_path: Path) -> None:
     p = plan(project, target, [SEED[1]], SEED[0], *SECRETS)
     done = service.export(project, p, tmp_path)

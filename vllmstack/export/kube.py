@@ -12,6 +12,7 @@ replaced with `Recreate`: a rolling update would need twice the GPUs.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from vllmstack.core.findings import Finding
@@ -47,6 +48,22 @@ def kube_word(word: str) -> str:
     return "".join(k8s_literal(p) if i % 2 == 0 else f"$({p})" for i, p in enumerate(parts))
 
 
+@dataclass
+class EnginePod:
+    """The engine's pod as every Kubernetes target writes it: the pod spec (one container,
+    `engine`, running `command` + `args`), the documents it needs first (its ConfigMap of files,
+    the PVC of its HF cache) and what did not translate."""
+
+    spec: dict[str, Any]
+    documents: list[dict[str, Any]]
+    findings: list[Finding]
+
+    @property
+    def container(self) -> dict[str, Any]:
+        container: dict[str, Any] = self.spec["containers"][0]
+        return container
+
+
 def build_manifests(spec: EngineSpec) -> tuple[list[dict[str, Any]], list[Finding]]:
     """The documents for one profile, in the order `kubectl apply -f` should create them."""
     findings: list[Finding] = []
@@ -56,9 +73,28 @@ def build_manifests(spec: EngineSpec) -> tuple[list[dict[str, Any]], list[Findin
             f"{spec.profile} needs {spec.gpus} GPUs and one {spec.platform} box has "
             f"{spec.node_gpus}; a Deployment's pod runs on one node",
             key="VLLM_TP", source=spec.resolved.source("VLLM_TP"),
-            fix="export it with --to production-stack, whose raySpec spreads it over nodes"))
-    env, env_findings = pod_environment(spec)
-    findings += env_findings + pod_findings(spec)
+            fix="export it with --to lws (a LeaderWorkerSet, one pod per node), --to kserve, or "
+                "--to production-stack, whose raySpec spreads it over nodes"))
+    name = resource_name(spec.profile, "vllmstack-")
+    pod = engine_pod(spec, spec.entrypoint, spec.command_args)
+    findings += pod.findings
+    documents = [*pod.documents, _deployment(spec, name, pod.spec)]
+    documents.append({
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": name, "labels": labels(spec)},
+        "spec": {"type": "ClusterIP", "selector": labels(spec),
+                 "ports": [{"name": PORT_NAME, "port": spec.port, "targetPort": PORT_NAME,
+                            "protocol": "TCP"}]}})
+    return documents, findings
+
+
+def engine_pod(spec: EngineSpec, command: list[str], args: list[str], *,
+               probes: bool = True) -> EnginePod:
+    """The pod spec running `command` + `args` (argv words, secret placeholders still in them)
+    with the compose container's layout; `probes=False` for a pod that serves no HTTP (a
+    multi-node worker)."""
+    env, findings = pod_environment(spec)
+    findings += pod_findings(spec)
     name = resource_name(spec.profile, "vllmstack-")
     documents: list[dict[str, Any]] = []
     volumes: list[dict[str, Any]] = [
@@ -89,41 +125,52 @@ def build_manifests(spec: EngineSpec) -> tuple[list[dict[str, Any]], list[Findin
     documents.append({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
                       "metadata": {"name": f"{name}-hf-cache", "labels": labels(spec)},
                       "spec": claim})
-    documents.append(_deployment(spec, name, env, volumes, mounts))
-    documents.append({
-        "apiVersion": "v1", "kind": "Service",
-        "metadata": {"name": name, "labels": labels(spec)},
-        "spec": {"type": "ClusterIP", "selector": labels(spec),
-                 "ports": [{"name": PORT_NAME, "port": spec.port, "targetPort": PORT_NAME,
-                            "protocol": "TCP"}]}})
-    return documents, findings
+    container = _container(spec, env, mounts, command, args, probes=probes)
+    pod = {"terminationGracePeriodSeconds": spec.layout.stop_grace,
+           "containers": [container], "volumes": volumes}
+    return EnginePod(pod, documents, findings)
 
 
-def _deployment(spec: EngineSpec, name: str, env: dict[str, str], volumes: list[dict[str, Any]],
-                mounts: list[dict[str, Any]]) -> dict[str, Any]:
+def _container(spec: EngineSpec, env: dict[str, str], mounts: list[dict[str, Any]],
+               command: list[str], args: list[str], *, probes: bool) -> dict[str, Any]:
     resources: dict[str, Any] = {"requests": {"cpu": spec.resolved.get_int("EXPORT_CPU_REQUEST"),
                                               "memory": spec.setting("EXPORT_MEMORY_REQUEST")}}
     if spec.vendor in GPU_RESOURCE and spec.gpus:
-        # Extended resources are requested through limits (requests default to them).
-        resources["limits"] = {GPU_RESOURCE[spec.vendor]: spec.gpus}
-    probe = {"httpGet": {"path": "/health", "port": PORT_NAME}}
-    health = spec.layout.health
+        # Extended resources are requested through limits (requests default to them); a pod
+        # holds one node's share of a multi-node engine.
+        resources["limits"] = {GPU_RESOURCE[spec.vendor]: min(spec.gpus, spec.node_gpus or spec.gpus)}
     container: dict[str, Any] = {
         "name": "engine",
         "image": spec.image,
-        "command": [kube_word(w) for w in spec.entrypoint],
-        "args": [kube_word(w) for w in spec.command_args],
+        "command": [kube_word(w) for w in command],
+        "args": [kube_word(w) for w in args],
         "ports": [{"name": PORT_NAME, "containerPort": spec.port, "protocol": "TCP"}],
         "env": [*({"name": k, "value": k8s_literal(v)} for k, v in env.items()),
                 *({"name": s.name, "valueFrom": secret_value_from(spec, s)} for s in spec.secrets)],
         "resources": resources,
         "volumeMounts": mounts,
+    }
+    if probes:
+        container.update(health_probes(spec, PORT_NAME))
+    return container
+
+
+def health_probes(spec: EngineSpec, port: int | str) -> dict[str, Any]:
+    """Startup, readiness and liveness on /health: vLLM serves nothing until the engine is
+    built (reference/vllm-facts.md, section 6), so the startup probe waits UP_TIMEOUT, what
+    `invoke up` waits for a boot; liveness keeps compose's interval."""
+    probe = {"httpGet": {"path": "/health", "port": port}}
+    health = spec.layout.health
+    return {
         "startupProbe": {**probe, "periodSeconds": PROBE_PERIOD, "failureThreshold":
                          math.ceil(spec.resolved.get_int("UP_TIMEOUT") / PROBE_PERIOD)},
         "readinessProbe": {**probe, "periodSeconds": PROBE_PERIOD, "failureThreshold": 3},
         "livenessProbe": {**probe, "periodSeconds": health.interval, "timeoutSeconds": health.timeout,
                           "failureThreshold": health.retries},
     }
+
+
+def _deployment(spec: EngineSpec, name: str, pod: dict[str, Any]) -> dict[str, Any]:
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": {"name": name, "labels": labels(spec), "annotations": describe(spec)},
@@ -133,8 +180,7 @@ def _deployment(spec: EngineSpec, name: str, env: dict[str, str], volumes: list[
             "selector": {"matchLabels": labels(spec)},
             "template": {
                 "metadata": {"labels": labels(spec), "annotations": describe(spec)},
-                "spec": {"terminationGracePeriodSeconds": spec.layout.stop_grace,
-                         "containers": [container], "volumes": volumes},
+                "spec": pod,
             },
         },
     }

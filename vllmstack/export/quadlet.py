@@ -80,6 +80,16 @@ def unit_name(spec: EngineSpec) -> str:
 def build_unit(spec: EngineSpec, resolved: Resolved, environ: dict[str, str],
                root: Path = Path("/")) -> tuple[str, list[Finding]]:
     """The unit's text and what did not translate; `root` is where /dev is read (tests)."""
+    container, service, findings = unit_entries(spec, resolved, environ, root)
+    return _text(spec, unit_name(spec), container, service), findings
+
+
+def unit_entries(spec: EngineSpec, resolved: Resolved, environ: dict[str, str],
+                 root: Path = Path("/")) -> tuple[list[tuple[str, str]], list[tuple[str, str]],
+                                                  list[Finding]]:
+    """The unit's [Container] and [Service] entries, as written (quoted, systemd-escaped), and
+    what did not translate: the one description of the engine container on a plain host, which
+    the unit and `podman run` line (runline.py) both are."""
     findings: list[Finding] = []
     name = unit_name(spec)
     if spec.gpus > spec.node_gpus > 0:
@@ -87,7 +97,8 @@ def build_unit(spec: EngineSpec, resolved: Resolved, environ: dict[str, str],
             "error", "export-multi-node", f"{spec.profile} needs {spec.gpus} GPUs and this "
             f"{spec.platform} box has {spec.node_gpus}; a Quadlet unit runs on one host",
             key="VLLM_TP", source=resolved.source("VLLM_TP"),
-            fix="export it with --to production-stack, whose raySpec spreads it over nodes"))
+            fix="export it with --to lws or --to kserve (one pod per node), or --to "
+                "production-stack, whose raySpec spreads it over nodes"))
     bad = [w for w in [*spec.argv, *spec.env.values()] if CONTROL.search(w)]
     if bad:
         findings.append(Finding("error", "export-control-character",
@@ -176,7 +187,7 @@ def build_unit(spec: EngineSpec, resolved: Resolved, environ: dict[str, str],
             f"{'; '.join(s.origin for s in flag_secrets)}: from {env_file} (%E is /etc for a "
             "system unit, ~/.config for a user unit); not exported",
             fix="write " + ", ".join(f"{s.name}=VALUE" for s in flag_secrets) + " into it (chmod 600)"))
-    return _text(spec, name, container, service), findings
+    return container, service, findings
 
 
 def control_characters(resolved: Resolved, entries: list[tuple[str, str]]) -> list[Finding]:

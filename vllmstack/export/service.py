@@ -1,4 +1,5 @@
-"""`invoke export`: profiles to production-stack values, Kubernetes manifests or Quadlet units.
+"""`invoke export`: profiles to production-stack values, Kubernetes manifests, Quadlet units,
+KServe LLMInferenceServices, llm-d modelservice values or LeaderWorkerSets.
 
 `plan_export` builds every document in memory with what did not translate (findings) and the
 validators' verdicts; `invoke check --target` shows those findings. `export` writes the plan
@@ -21,15 +22,35 @@ from vllmstack.core.files import FileWriteError, file_head, writable_folder, wri
 from vllmstack.core.findings import Finding, has_errors, sort_findings
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner
-from vllmstack.export import helm, kube, quadlet, validate
-from vllmstack.export.spec import EngineSpec, ExportError, engine_spec
-from vllmstack.export.targets import KUBE, PRODUCTION_STACK, QUADLET, TARGETS
+from vllmstack.export import cluster, crds, helm, kube, quadlet, runline, standalone, validate
+from vllmstack.export.pod import resource_name
+from vllmstack.export.spec import PLACEHOLDER, EngineSpec, ExportError, engine_spec
+from vllmstack.export.targets import (
+    CHART_TARGETS,
+    CRD_TARGETS,
+    KSERVE,
+    KUBE,
+    LLM_D,
+    LWS,
+    PRODUCTION_STACK,
+    QUADLET,
+    TARGETS,
+)
 
-__all__ = ["KUBE", "PRODUCTION_STACK", "QUADLET", "TARGETS", "Exported", "Plan", "export",
+__all__ = ["KSERVE", "KUBE", "LLM_D", "LWS", "PRODUCTION_STACK", "QUADLET", "TARGETS", "Exported",
+           "Plan", "export",
            "export_json", "plan_export", "plan_profiles", "render_exported", "target_findings"]
 MARKER = "Written by `invoke export"
 # What an exported folder's files may be read by: they hold no secret (references only).
 MODE = 0o644
+LLMD_SCHEMA_FIX = (f"pass the chart's own schema: helm pull llm-d-modelservice/llm-d-modelservice --version "
+                   f"{cluster.LLMD_CHART_VERSION} --untar, then --chart-schema llm-d-modelservice")
+# Where each custom resource holds core/v1 PodSpecs (checked by kubernetes-validate).
+POD_PATHS = {KSERVE: (("spec", "template"), ("spec", "worker")),
+             LWS: (("spec", "leaderWorkerTemplate", "leaderTemplate", "spec"),
+                   ("spec", "leaderWorkerTemplate", "workerTemplate", "spec"))}
+RESOURCE_SCHEMA = {KSERVE: crds.KSERVE_SCHEMA, LWS: crds.LWS_SCHEMA}
+APPLY = {KSERVE: "KServe with its LLMInferenceService CRD", LWS: "the LeaderWorkerSet controller"}
 
 
 @dataclass
@@ -54,26 +75,33 @@ class Exported:
 
 def plan_export(project: Project, target: str, models: Sequence[str | None], platform: str | None,
                 sets: Sequence[str], environ: Mapping[str, str], runner: Runner,
-                chart_schema: Path | None = None) -> Plan:
+                chart_schema: Path | None = None, crd: Path | None = None) -> Plan:
     """Every document of the export, its findings and its validation, nothing written;
-    `chart_schema`: the values.schema.json of the chart the user deploys (production-stack)."""
+    `chart_schema`: the values.schema.json of the chart the user deploys (production-stack,
+    llm-d); `crd`: the CRD of the custom resource the user's cluster has (kserve, lws)."""
     profiles = [resolve(project, platform=platform, model=model, overrides=list(sets), environ=environ)
                 for model in models or [None]]
-    return plan_profiles(project, target, profiles, environ, runner, chart_schema)
+    return plan_profiles(project, target, profiles, environ, runner, chart_schema, crd)
 
 
 def plan_profiles(project: Project, target: str, profiles: Sequence[Resolved],
-                  environ: Mapping[str, str], runner: Runner, chart_schema: Path | None = None) -> Plan:
+                  environ: Mapping[str, str], runner: Runner, chart_schema: Path | None = None,
+                  crd: Path | None = None) -> Plan:
     """plan_export for profiles already resolved."""
     if target not in TARGETS:
         raise ExportError(f"{target!r} is not an export target" if target else "no export target given",
                           f"name one: --to {' | --to '.join(TARGETS)}")
-    if chart_schema is not None and target != PRODUCTION_STACK:
-        raise ExportError(f"--chart-schema is the production-stack chart's values schema; --to "
-                          f"{target} writes no chart values", f"leave --chart-schema out, or "
-                          f"export --to {PRODUCTION_STACK}")
+    if chart_schema is not None and target not in CHART_TARGETS:
+        raise ExportError(f"--chart-schema is a Helm chart's values schema; --to {target} writes no "
+                          "chart values", f"leave --chart-schema out, or export --to "
+                          f"{' or --to '.join(CHART_TARGETS)}")
+    if crd is not None and target not in CRD_TARGETS:
+        raise ExportError(f"--crd is the CRD of a custom resource; --to {target} writes none",
+                          f"leave --crd out, or export --to {' or --to '.join(CRD_TARGETS)}")
     # Read before any profile is planned: a schema that cannot be used stops at once.
-    chart = validate.load_chart_schema(chart_schema) if chart_schema is not None else None
+    fix = LLMD_SCHEMA_FIX if target == LLM_D else validate.CHART_SCHEMA_FIX
+    chart = validate.load_chart_schema(chart_schema, fix) if chart_schema is not None else None
+    crd_schema = crds.load_crd(crd, *CRD_TARGETS[target]) if crd is not None else None
     specs = [engine_spec(project, resolved, environ, runner) for resolved in profiles]
     names = [s.profile for s in specs]
     if len(set(names)) != len(names):
@@ -91,8 +119,12 @@ def plan_profiles(project: Project, target: str, profiles: Sequence[Resolved],
         _plan_chart(plan, chart)
     elif target == KUBE:
         _plan_kube(plan)
-    else:
+    elif target == QUADLET:
         _plan_quadlet(plan, dict(environ), runner)
+    elif target == LLM_D:
+        _plan_llmd(plan, chart, dict(environ))
+    else:
+        _plan_resource(plan, target, crd_schema)
     plan.findings = sort_findings(_unique(plan.findings))
     return plan
 
@@ -166,6 +198,123 @@ def _plan_quadlet(plan: Plan, environ: dict[str, str], runner: Runner) -> None:
         plan.findings += [_invalid(p) for p in problems]
         plan.validated.append(how)
         plan.files[f"{name}.container"] = text
+
+
+def _plan_resource(plan: Plan, target: str, crd: tuple[Path, Any] | None) -> None:
+    """--to kserve | lws: one file per profile, the custom resource after what it needs."""
+    build = cluster.build_llmisvc if target == KSERVE else cluster.build_lws
+    for spec in plan.specs:
+        documents, findings = build(spec)
+        plan.findings += findings
+        if not documents:
+            continue
+        (resource,) = [d for d in documents if d["kind"] == CRD_TARGETS[target][0]]
+        plain = [d for d in documents if d is not resource]
+        name = f"{spec.profile}.yaml"
+        _checked(plan, lambda r=resource: crds.validate_own(r, RESOURCE_SCHEMA[target]),
+                 f"{name}'s {resource['kind']} against the stack's schema of it "
+                 f"({crds.shown(RESOURCE_SCHEMA[target])}: no field the API server would drop)")
+        _checked(plan, lambda r=resource: crds.validate_pods(r, POD_PATHS[target]),
+                 f"{name}'s pod specs with kubernetes-validate --strict, Kubernetes "
+                 f"{validate.KUBERNETES_VERSION}")
+        claims = [{"apiVersion": "v1", "kind": "PersistentVolumeClaim", **c} for c in
+                  resource["spec"].get("leaderWorkerTemplate", {}).get("volumeClaimTemplates", [])]
+        _checked(plan, lambda d=plain + claims: validate.validate_manifests(d),
+                 f"{name}'s other documents with kubernetes-validate --strict")
+        if crd is not None:
+            _plan_crd(plan, resource, *crd)
+        header = (f"# {MARKER} --to {target}` for {spec.profile} on {spec.platform}.\n"
+                  f"# kubectl apply -f {name}  (needs {APPLY[target]}; docs/export.md)\n")
+        plan.files[name] = header + "---\n".join(_yaml(d) for d in documents)
+
+
+def _plan_crd(plan: Plan, resource: dict[str, Any], file: Path, validator: Any) -> None:
+    problems, undeclared = crds.validate_crd(resource, file, validator)
+    plan.findings += [Finding("error", "export-crd", problem, fix=(
+        f"this export writes {resource['apiVersion']} as its own schema reads it; install that "
+        "CRD version, or report the difference so the export follows yours")) for problem in problems]
+    plan.findings += [Finding("warning", "export-crd-undeclared", note,
+                              fix="check your controller's version: an older CRD drops this field")
+                      for note in undeclared]
+    plan.validated.append(f"{resource['kind']} against {file} (the CRD's own schema, as the API "
+                          "server applies it)")
+
+
+def _plan_llmd(plan: Plan, chart: tuple[Path, Any] | None, environ: dict[str, str]) -> None:
+    """--to llm-d: per profile, the modelservice chart's values and the manifests it needs; and
+    the same engines without Kubernetes: the router's endpoints file and config, and each
+    engine's `podman run` line."""
+    endpoints: list[tuple[EngineSpec, str]] = []
+    for spec in plan.specs:
+        values, documents, findings = cluster.build_llmd_values(spec)
+        plan.findings += findings
+        if not values:
+            continue
+        name = f"{spec.profile}.values.yaml"
+        _checked(plan, lambda v=values: crds.validate_own(v, crds.LLMD_SCHEMA),
+                 f"{name} against the stack's schema of the values it writes for llm-d-modelservice "
+                 f"{cluster.LLMD_CHART_VERSION} ({crds.shown(crds.LLMD_SCHEMA)})")
+        # The pod the chart makes of decode: its containers (less the chart's own keys), volumes.
+        pod = {"decode": {k: values["decode"][k] for k in
+                          ("containers", "volumes", "terminationGracePeriodSeconds")}}
+        _checked(plan, lambda p=pod: crds.validate_pods(p, [("decode",)], cluster.LLMD_CHART_KEYS),
+                 f"{name}'s decode container with kubernetes-validate --strict")
+        _checked(plan, lambda d=documents: validate.validate_manifests(d),
+                 f"{spec.profile}.yaml with kubernetes-validate --strict")
+        if chart is not None:
+            file, validator = chart
+            problems = validate.schema_problems(values, validator, str(file))
+            # This chart's schema marks open maps (labels, decode) additionalProperties: true.
+            undeclared = [f"{'.'.join(p)}: not a key {file} declares; that chart may ignore it"
+                          for p in crds.pruned_fields(values, validator.schema, ())]
+            plan.findings += [Finding("error", "export-chart-schema", p, fix=(
+                f"this export writes values for llm-d-modelservice {cluster.LLMD_CHART_VERSION}; "
+                "install that version, or report the difference")) for p in problems]
+            plan.findings += [Finding("warning", "export-chart-undeclared", n, fix=(
+                f"check that chart's templates for the key; llm-d-modelservice "
+                f"{cluster.LLMD_CHART_VERSION} reads it")) for n in undeclared]
+            plan.validated.append(f"{name} against {file} (the chart's own schema, as helm install "
+                                  "applies it)")
+        release = resource_name(spec.profile)
+        plan.files[f"{spec.profile}.yaml"] = (
+            f"# {MARKER} --to {LLM_D}` for {spec.profile} on {spec.platform}: apply before the chart.\n"
+            f"# kubectl apply -f {spec.profile}.yaml (docs/export.md)\n"
+            + "---\n".join(_yaml(d) for d in documents))
+        plan.files[name] = (
+            f"# {MARKER} --to {LLM_D}` for {spec.profile} on {spec.platform}.\n"
+            f"# helm install {release} llm-d-modelservice/llm-d-modelservice --version "
+            f"{cluster.LLMD_CHART_VERSION} -f {name} (docs/export.md)\n" + _yaml(values))
+        address, findings = standalone.endpoint_address(spec)
+        plan.findings += findings
+        container, _, findings = quadlet.unit_entries(spec, spec.resolved, environ)
+        plan.findings += [f for f in findings if f.severity != "info"]
+        script = runline.run_script(
+            f"# {MARKER} --to {LLM_D}` for {spec.profile} on {spec.platform}: the engine without\n"
+            f"# Kubernetes, the container of `--to {QUADLET}`; the llm-d router finds it through "
+            f"{spec.profile}.endpoints.yaml.\n", *runline.run_words(container))
+        wanted = [PLACEHOLDER.sub(r"${\1}", w) for w in spec.command_args]
+        if runline.command_of(script, spec.image) != wanted:
+            plan.findings.append(_invalid(f"{spec.profile}.run.sh: the words after the image are "
+                                          "not the profile's argv"))
+        plan.validated.append(f"{spec.profile}.run.sh: read back as sh reads it, the profile's argv")
+        plan.files[f"{spec.profile}.run.sh"] = script
+        if address is None:
+            continue
+        endpoints.append((spec, address))
+        # One router per model: its endpoints are the engines of that model only.
+        document = standalone.endpoints_document([(spec, address)])
+        files = standalone.file_names(spec)
+        _checked(plan, lambda d=document: crds.validate_own(d, crds.LLMD_ENDPOINTS_SCHEMA),
+                 f"{files.endpoints} against the stack's schema of the llm-d router's endpoints "
+                 f"file ({crds.shown(crds.LLMD_ENDPOINTS_SCHEMA)})")
+        plan.files[files.endpoints] = (
+            f"# {MARKER} --to {LLM_D}` for the llm-d router of {spec.profile}, without Kubernetes:\n"
+            f"# copy it to {files.path} (docs/export.md)\n" + _yaml(document))
+        plan.files[files.config] = (
+            f"# {MARKER} --to {LLM_D}`: the config of {spec.profile}'s llm-d router, reading "
+            f"{files.path}\n# (epp --config-file {files.config}; docs/export.md)\n"
+            + _yaml(standalone.epp_config(files.path)))
+    plan.findings += standalone.clashes(endpoints)
 
 
 def _checked(plan: Plan, check: Any, how: str) -> None:

@@ -92,6 +92,13 @@ class EngineSpec:
     resolved: Resolved
     host_roots: list[Path]           # this host's user folders (home, cache folders)
     findings: list[Finding] = field(default_factory=list)
+    image_digest: str | None = None  # REPO@sha256:... of the image, when it came from a registry
+
+    @property
+    def pinned_image(self) -> str:
+        """The image a cluster pulls: by its registry digest when this host knows it (the same
+        bytes on every node, whatever the tag points at later), else the name."""
+        return self.image_digest or self.image
 
     @property
     def entrypoint(self) -> list[str]:
@@ -152,12 +159,33 @@ def engine_spec(project: Project, resolved: Resolved, environ: Mapping[str, str]
         model=kind.model_label(resolved),
         env=env, secrets=[*env_secrets, *flag_secrets], files=[], folders=[], layout=layout,
         resolved=resolved, host_roots=_host_roots(resolved, environ))
+    spec.image_digest = read_image_digest(runner, resolved.get_str("DOCKER"), image)
     spec.findings += [f for f in resolved.problems if f.severity == "error"]
     spec.gpus = _parallel_gpus(argv) if kind.gpus_from_argv else spec.node_gpus
     if spec.vendor == "none":
         spec.gpus = 0
     _collect_files(project, spec, labels)
     return spec
+
+
+def read_image_digest(runner: Runner, docker: str, image: str) -> str | None:
+    """The image's registry digest for the repository its name points at (`docker image
+    inspect`'s RepoDigests: set once the image was pulled or pushed), None for a build that
+    never left this host or an image that is not here."""
+    result = runner.run([docker, "image", "inspect", "--format", "{{json .RepoDigests}}", image],
+                        mutates=False)
+    if not result.ok:
+        return None
+    try:
+        digests = json.loads(result.stdout or "null")
+    except json.JSONDecodeError:
+        return None
+    name = image.split("@", 1)[0]
+    if ":" in name.rsplit("/", 1)[-1]:
+        name = name.rsplit(":", 1)[0]
+    matching = [d for d in digests if isinstance(d, str) and d.split("@", 1)[0] == name] \
+        if isinstance(digests, list) else []
+    return matching[0] if matching else None
 
 
 def _host_roots(resolved: Resolved, environ: Mapping[str, str]) -> list[Path]:
@@ -194,6 +222,12 @@ def _environment(resolved: Resolved, layout: Layout) -> tuple[dict[str, str], li
 
 def _parallel_gpus(argv: list[str]) -> int:
     """TP x PP x DP as the argv says (the last occurrence of a flag wins, as in argparse)."""
+    sizes = parallel_sizes(argv)
+    return sizes["tp"] * sizes["pp"] * sizes["dp"]
+
+
+def parallel_sizes(argv: list[str]) -> dict[str, int]:
+    """{"tp": .., "pp": .., "dp": ..} as the argv says (the last occurrence of a flag wins)."""
     sizes = {"tp": 1, "pp": 1, "dp": 1}
     for index, word in enumerate(argv):
         flag, eq, value = word.partition("=")
@@ -201,7 +235,7 @@ def _parallel_gpus(argv: list[str]) -> int:
             text = value if eq else (argv[index + 1] if index + 1 < len(argv) else "")
             if text.isdigit():
                 sizes[PARALLEL_FLAGS[flag]] = int(text)
-    return sizes["tp"] * sizes["pp"] * sizes["dp"]
+    return sizes
 
 
 def _collect_files(project: Project, spec: EngineSpec, labels: Mapping[str, str] | None) -> None:
@@ -258,6 +292,8 @@ def describe(spec: EngineSpec) -> dict[str, str]:
     (pins, commits, patch-set hashes) when the image could be inspected."""
     notes = {"vllmstack/profile": spec.profile, "vllmstack/platform": spec.platform,
              "vllmstack/engine": spec.engine, "vllmstack/argv": json.dumps(spec.argv)}
+    if spec.image_digest:
+        notes["vllmstack/image-digest"] = spec.image_digest
     for label, value in sorted(spec.image_labels.items()):
         notes["vllmstack/" + label.removeprefix(build.LABEL)] = value
     return notes

@@ -111,7 +111,7 @@ def _dotted(path: Sequence[Any]) -> str:
     return ".".join(str(p) for p in path) or "(top)"
 
 
-def load_chart_schema(path: Path) -> tuple[Path, Any]:
+def load_chart_schema(path: Path, fix: str = CHART_SCHEMA_FIX) -> tuple[Path, Any]:
     """The chart's values.schema.json (a file, or the chart folder `helm pull --untar` makes) and
     a validator for it; ChartSchemaError naming the file, and the line for bad JSON.
 
@@ -119,7 +119,6 @@ def load_chart_schema(path: Path) -> tuple[Path, Any]:
     regular file is refused before a byte is read, and a file above CHART_SCHEMA_MAX_BYTES is
     refused after reading one byte more than that, so no --chart-schema can exhaust memory."""
     file = path / CHART_SCHEMA_NAME if path.is_dir() else path
-    fix = CHART_SCHEMA_FIX
     try:
         schema = read_json_file(file, f"--chart-schema {file}", fix=fix, expect_object=False,
                                 max_bytes=CHART_SCHEMA_MAX_BYTES,
