@@ -14,10 +14,12 @@ from pathlib import Path
 import pytest
 from test_lifecycle_units import RUNNING, DashboardEngine, FakeProbe
 
+from vllmstack.checks.registry import run_checks
 from vllmstack.config.profiles import resolve
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import RecordingRunner
 from vllmstack.runtime.base import EngineState
+from vllmstack.runtime.compile_cache import compile_key, read_boots_with
 from vllmstack.serve import lifecycle, startup
 from vllmstack.serve.boot_markers import COMPILE, STARTING, WARM_UP
 from vllmstack.serve.state import read_state, state_path
@@ -140,6 +142,11 @@ def test_up_records_the_boot_for_status_startup_and_the_history(
 
     history = startup.boot_history(project, 10)
     assert [r.profile for r in history.records] == ["qwen3-0.6b"] and history.skipped == 0
+    # `check` keys the argv it builds as `up` keyed the one it ran: it finds this boot.
+    _, ctx = run_checks(project, resolved, {}, runtime=engine.name)
+    assert ctx.command is not None
+    key = compile_key(resolved, ctx.command.argv)
+    assert history.records[0].compile_key == key and len(read_boots_with(project, key)) == 1
     with (project.results / "boot_history.jsonl").open("a") as handle:
         handle.write('{"version": 1, "recorded": 1, "profi')  # a writer killed mid-line
     again = startup.boot_history(project, 10)

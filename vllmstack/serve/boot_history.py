@@ -21,9 +21,9 @@ from typing import Any
 
 from vllmstack.core.files import FileWriteError, parse_json, tail_lines
 from vllmstack.core.paths import Project, results_folder
+from vllmstack.runtime.compile_cache import HISTORY_FILE
 from vllmstack.serve.boot_phases import Boot
 
-HISTORY_FILE = "boot_history.jsonl"
 # A boot is 2 to 4 KB; past this the file moves to .1 (the one generation kept).
 MAX_BYTES = 4_000_000
 RECORD_VERSION = 1
@@ -37,6 +37,9 @@ class BootRecord:
     profile: str
     slot: str  # the engine's name in the checkout ("" for the default engine)
     boot: Boot
+    # What its compile cache depends on (runtime.compile_cache.compile_key): `check` finds the
+    # boots of a profile's key to say whether the next one will hit the cache.
+    compile_key: str = ""
 
 
 def history_path(project: Project) -> Path:
@@ -58,7 +61,8 @@ def append_boot(project: Project, record: BootRecord) -> Path:
     """Append `record` (FileWriteError naming the file when it cannot be written)."""
     line = json.dumps({"version": RECORD_VERSION, "recorded": round(record.recorded, 3),
                        "profile": record.profile, "slot": record.slot,
-                       "boot": record.boot.as_json()}, separators=(",", ":")) + "\n"
+                       "compile_key": record.compile_key, "boot": record.boot.as_json()},
+                      separators=(",", ":")) + "\n"
     path = history_path(project)
     try:
         results_folder(project)
@@ -95,9 +99,11 @@ def _record_of(text: str) -> BootRecord | None:
         if not isinstance(data, dict) or data.get("version") != RECORD_VERSION:
             return None
         recorded, profile, slot = data.get("recorded"), data.get("profile"), data.get("slot", "")
+        key = data.get("compile_key", "")
         if isinstance(recorded, bool) or not isinstance(recorded, int | float) \
-                or not isinstance(profile, str) or not isinstance(slot, str):
+                or not isinstance(profile, str) or not isinstance(slot, str) \
+                or not isinstance(key, str):
             return None
-        return BootRecord(float(recorded), profile, slot, Boot.from_json(data.get("boot")))
+        return BootRecord(float(recorded), profile, slot, Boot.from_json(data.get("boot")), key)
     except ValueError:
         return None

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from vllmstack.config.engines.table import engine_of
-from vllmstack.core.checkout import engine_dir, engine_name, engine_names
+from vllmstack.core.checkout import engine_dir, engine_names
+from vllmstack.core.checkout import engine_name as slot_of  # a profile's engine slot
 from vllmstack.core.errors import StackError
 from vllmstack.core.files import (
     FileWriteError,
@@ -29,8 +30,9 @@ from vllmstack.core.files import (
 )
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import mask_text
+from vllmstack.runtime.compile_cache import compile_key
 from vllmstack.serve.boot_history import BootRecord, append_boot, read_boots
-from vllmstack.serve.boot_markers import COMPILE, OTHER
+from vllmstack.serve.boot_markers import COMPILE, DIALECTS, OTHER
 from vllmstack.serve.boot_phases import Boot, measure_boot
 from vllmstack.serve.engines import named_stack
 from vllmstack.serve.stack import Stack
@@ -92,7 +94,10 @@ def measure_up_boot(stack: Stack, launched: float | None, ready: float,
         if state is not None:
             write_state(stack.project, {**state, "boot": boot.as_json()}, stack.slot)
         record_boot(stack.project, stack.slot, boot, stack.resolved.profile)
-        append_boot(stack.project, BootRecord(time.time(), stack.resolved.profile, stack.slot, boot))
+        argv = state.get("argv") if state is not None else None
+        key = compile_key(stack.resolved, [str(a) for a in argv]) if isinstance(argv, list) else ""
+        append_boot(stack.project, BootRecord(time.time(), stack.resolved.profile, stack.slot, boot,
+                                              key))
     except (StateError, FileWriteError) as exc:
         print(f"note: the boot's phases were not recorded: {exc.cause}", file=stack.out)
     return boot
@@ -101,9 +106,8 @@ def measure_up_boot(stack: Stack, launched: float | None, ready: float,
 def engine_slot(project: Project, profile: str | None) -> str:
     """The engine a profile's boot is read from: the router's named engine for it when the
     checkout has one, else the default engine (`invoke up`)."""
-    if profile and engine_name(profile) in engine_names(project.generated):
-        return engine_name(profile)
-    return ""
+    slot = slot_of(profile) if profile else ""
+    return slot if slot and slot in engine_names(project.generated) else ""
 
 
 def read_startup(project: Project, *, log: Path | None = None, profile: str | None = None,
@@ -158,7 +162,8 @@ def saved_startup(path: Path, engine: str | None = None) -> Startup:
         raise StartupError(f"{path} does not exist", "name a saved engine log: `invoke logs "
                            "--no-follow --tail 20000 > engine.log` saves the running one")
     boot = measure_boot(tail_lines(path, BOOT_LOG_LINES), engine=engine)
-    if boot.engine == "vllm":  # llama-server's stamps count from its process's start
+    dialect = DIALECTS.get(boot.engine or "")
+    if dialect is not None and not dialect.process_clock:  # llama-server's count from its start
         boot = replace(boot, notes=(*boot.notes, SAVED_NOTE))
     return Startup(boot, str(path))
 
