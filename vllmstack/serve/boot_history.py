@@ -82,9 +82,14 @@ def append_boot(project: Project, record: BootRecord) -> Path:
 def read_boots(project: Project, limit: int) -> tuple[list[BootRecord], int]:
     """The last `limit` boots, oldest first, and how many lines could not be read (torn, or
     written by a newer version)."""
+    return read_boots_in(project.results, limit)
+
+
+def read_boots_in(folder: Path, limit: int) -> tuple[list[BootRecord], int]:
+    """`read_boots` of the history in `folder` (the dashboard's history folder is results/)."""
     records: list[BootRecord] = []
     skipped = 0
-    for text in tail_lines(history_path(project), limit):
+    for text in tail_lines(folder / HISTORY_FILE, limit):
         record = _record_of(text)
         if record is None:
             skipped += 1
