@@ -135,6 +135,9 @@ def test_up_records_the_boot_for_status_startup_and_the_history(
 
     last = startup.last_startup(project)
     assert last.running and last.source == "generated/state.json" and last.profile == "qwen3-0.6b"
+    never = pytest.raises(startup.StartupError, match="no boot of tiny is recorded: the last one")
+    with never:  # another profile's boot is never shown as this one's
+        startup.read_startup(project, profile="tiny", default_stack=lambda: stack)
     state_path(project).unlink()  # what `down` does: boot.json still has it
     after = startup.last_startup(project)
     assert after.source == "generated/boot.json" and not after.running

@@ -123,7 +123,12 @@ def read_startup(project: Project, *, log: Path | None = None, profile: str | No
         stack = default_stack()
         return (named_stack(stack, slot) if slot else stack).engine.log_lines(BOOT_LOG_LINES)
 
-    return last_startup(project, slot, log_lines=engine_log)
+    found = last_startup(project, slot, log_lines=engine_log)
+    if profile and found.profile and found.profile != profile:
+        raise StartupError(f"no boot of {profile} is recorded: the last one ({found.source}) is "
+                           f"{found.profile}'s", "`invoke startup --history 20` lists the boots "
+                           "recorded; `invoke up --model PROFILE` (or the router) records one")
+    return found
 
 
 def last_startup(project: Project, slot: str = "", *,
