@@ -31,9 +31,11 @@ from vllmstack.serve.boot_markers import (
     OTHER,
     PARSING,
     PROFILE,
+    SERVING,
     STARTING,
     WARM_UP,
     WEIGHTS,
+    live_phase,
 )
 from vllmstack.serve.boot_phases import AGREE_SHARE, Boot, measure_boot
 
@@ -104,6 +106,21 @@ def _first_and_ready(name: str) -> tuple[float, float]:
     month, day, clock = found.groups()
     first = stamp(int(month), int(day), clock, year=2000) + 0.5
     return first, first + boot.wall_s
+
+
+@pytest.mark.parametrize("name", sorted(REAL_BOOTS))
+def test_up_s_live_progress_names_the_phases_the_boot_is_measured_in(name: str) -> None:
+    """serve.watch shows `live_phase` while `up` waits: the same table, the same names."""
+    live: list[str] = []
+    for line in lines(name):
+        phase = live_phase(line)
+        if phase is not None and (not live or live[-1] != phase):
+            live.append(phase)
+        if phase == SERVING:
+            break
+    assert live[-1] == SERVING and live[0] == PARSING
+    measured = {p.name for p in measure_boot(lines(name)).phases if p.seconds >= 1.0}
+    assert measured - {STARTING, OTHER} <= set(live), (measured, live)
 
 
 def test_the_cold_h200_boot_phase_by_phase() -> None:

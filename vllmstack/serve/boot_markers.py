@@ -30,6 +30,7 @@ class Marker:
     cache: str | None = None  # torch.compile's cache: "hit" or "miss"
     ready: bool = False  # the server answers: the boot ends here
     boot: bool = False  # the first line of a boot (a container's log may hold several)
+    then: str | None = None  # what `up`'s live progress names after the phase this one ends
 
 
 def _m(text: str, **kwargs: Any) -> Marker:
@@ -41,15 +42,16 @@ def _m(text: str, **kwargs: Any) -> Marker:
 VLLM_MARKERS: tuple[Marker, ...] = (
     _m(r"non-default args", marks=PARSING, boot=True),
     _m(r"Initializing a V1 LLM engine", marks=INIT),
+    # The profiling run follows (torch.compile compiles in its first forward pass).
     _m(r"Model loading took .*? and (?P<s>\d+(?:\.\d+)?) seconds", ends=WEIGHTS, took=True,
-       logged=True),
+       logged=True, then=PROFILE),
     _m(r"Loading weights took (?P<s>\d+(?:\.\d+)?) seconds", marks=WEIGHTS, took=True),
     _m(r"Starting to load model|Loading model from scratch|Loading drafter model|"
        r"Loading safetensors checkpoint shards|Initializing model took", marks=WEIGHTS),
     # 0.27: `torch.compile took 13.66 s in total`; earlier `takes`, or `torch.compile and initial
     # profiling run took 3.37 s in total`.
     _m(r"torch\.compile (?:and initial profiling run )?(?:took|takes) (?P<s>\d+(?:\.\d+)?) s in "
-       r"total", ends=COMPILE, took=True, logged=True),
+       r"total", ends=COMPILE, took=True, logged=True, then=PROFILE),
     _m(r"Directly load the compiled graph|Directly load AOT compilation", marks=COMPILE,
        cache="hit"),
     _m(r"Compiling a graph for|Cache the graph of compile range|saved AOT compiled function|"
@@ -58,14 +60,14 @@ VLLM_MARKERS: tuple[Marker, ...] = (
     _m(r"for vLLM's torch\.compile|Starting torch\.compile|Warming up model for the compilation",
        marks=COMPILE),
     # The CPU model runner compiles in its warm-up (`Warming up model for the compilation...`).
-    _m(r"Warming up done", ends=COMPILE),
+    _m(r"Warming up done", ends=COMPILE, then=KV),
     _m(r"Initial profiling/warmup run took (?P<s>\d+(?:\.\d+)?) s", marks=PROFILE, took=True,
        logged=True),
     # Logged once the profiling run has measured what is left (GPU; the CPU worker's own line).
     _m(r"Available KV cache memory|GiB for KV cache on node", ends=PROFILE, marks=KV),
     _m(r"KV cache size: [\d,]+ tokens|Maximum concurrency for", marks=KV),
     _m(r"Graph capturing finished in (?P<s>\d+(?:\.\d+)?) secs", ends=CAPTURE, took=True,
-       logged=True),
+       logged=True, then=KERNELS),
     _m(r"Capturing CUDA graph", marks=CAPTURE),
     _m(r"Free memory on device .* on startup|Compile and warming up model for size|"
        r"Warming up (?!done|model for the compilation)|Kernel JIT monitor activated", marks=KERNELS),
@@ -77,7 +79,7 @@ VLLM_MARKERS: tuple[Marker, ...] = (
 # llama-server (b9993 tools/server: `loading model`, `initializing, n_slots`, `model loaded`,
 # which it logs once /health answers 200; its HTTP server listens before the model loads).
 LLAMACPP_MARKERS: tuple[Marker, ...] = (
-    _m(r"common_params_print_info|srv +init:", marks=PARSING),
+    _m(r"common_params_print_info", marks=PARSING),
     _m(r"load_model: loading model", marks=WEIGHTS),
     _m(r"load_model: initializing, n_slots", marks=INIT),
     _m(r"model loaded", marks=API, ready=True),
@@ -103,3 +105,17 @@ LLAMACPP_STAMP = re.compile(r"^(\d+)\.(\d\d)\.(\d{3})\.(\d{3}) [A-Z] ")
 # Lines that close a boot: a later boot in the same log starts after them.
 BOOT_OVER = re.compile(r"\[shutdown\]|Shutting down|Application shutdown complete|ERROR \d\d-\d\d|"
                        r"Traceback \(most recent call last\)")
+
+
+SERVING = "serving"  # what the live progress says once the server answers
+
+
+def live_phase(line: str) -> str | None:
+    """The phase a log line says the boot is in (`up`'s live progress, serve.watch), of either
+    engine's log: the one it marks, the one that follows the one it ends, `serving` once the
+    server answers; None for a line that says nothing about it."""
+    for dialect in DIALECTS.values():
+        marker = next((m for m in dialect.markers if m.pattern.search(line)), None)
+        if marker is not None:
+            return SERVING if marker.ready else marker.marks or marker.then or marker.ends
+    return None
