@@ -11,6 +11,10 @@ The logs, all real (copies kept with the tests; none is read from ../shared at r
 * boot-cpu-noaot-cold.log, boot-cpu-noaot-warm.log: the same two boots with
   ENGINE_ENV=VLLM_USE_AOT_COMPILE=0: the second one loaded the compile cache (21 s of compiling
   became 3 s), though vLLM logs neither a hit nor a miss that way;
+* boot-h200-cold.log, boot-h200-warm.log: vLLM 0.27.1 on an H200 (the device machine,
+  2026-12-04), `vllm serve` of the Qwen3-0.6B geometry (dummy weights, TRITON_ATTN) on a fresh
+  machine, then again with the compile cache the first filled; launched and healthy at H200_TIMES
+  (epoch seconds, the machine's clock in UTC, as `up` would have measured them);
 * llamacpp/boot-tiny-cpu.log: llama-server on CPU.
 """
 
@@ -49,8 +53,12 @@ REAL_BOOTS = {
     "boot-cpu-recompile.log": "vllm",
     "boot-cpu-noaot-cold.log": "vllm",
     "boot-cpu-noaot-warm.log": "vllm",
+    "boot-h200-cold.log": "vllm",
+    "boot-h200-warm.log": "vllm",
     "llamacpp/boot-tiny-cpu.log": "llamacpp",
 }
+H200_TIMES = {"boot-h200-cold.log": (1796419776.533, 1796419961.649),
+              "boot-h200-warm.log": (1796419965.207, 1796420078.598)}
 
 
 def lines(name: str) -> list[str]:
@@ -137,6 +145,23 @@ def test_the_cold_h200_boot_phase_by_phase() -> None:
     assert logged[COMPILE] == 13.66 and logged[CAPTURE] == 5.0
     assert [p.name for p in boot.phases if p.name != OTHER] == [
         PARSING, INIT, WEIGHTS, COMPILE, PROFILE, KV, CAPTURE, "warming up kernels", API]
+
+
+def test_the_h200_boots_cold_then_warm_from_the_compile_cache() -> None:
+    """A warm boot of the pinned engine, for real: `Directly load the compiled graph(s) ... from
+    the cache`, `torch.compile took 5.50 s` against 36.05 s cold; launch to /health measured."""
+    cold, warm = (measure_boot(lines(name), launched=H200_TIMES[name][0],
+                               ready=H200_TIMES[name][1]) for name in sorted(H200_TIMES))
+    assert (cold.compile, warm.compile) == ("cold", "warm") and not cold.notes + warm.notes
+    assert cold.wall_s == pytest.approx(185.1, abs=0.1) and warm.wall_s == pytest.approx(113.4, abs=0.1)
+    assert phase_seconds(cold)[COMPILE] == pytest.approx(36.05, abs=0.01)
+    assert phase_seconds(warm)[COMPILE] == pytest.approx(5.50, abs=0.01)
+    # Python's start and imports on the machine's slow file system, before vLLM's first line.
+    assert phase_seconds(cold)[STARTING] == pytest.approx(36.0, abs=1.0)
+    assert phase_seconds(warm)[STARTING] == pytest.approx(31.3, abs=1.0)
+    for boot in (cold, warm):
+        assert_sound(boot)
+        assert phase_seconds(boot)[CAPTURE] >= 15.0  # `Graph capturing finished in 15 secs`
 
 
 def test_an_eager_boot_has_no_compile_and_the_tp2_workers_count_once() -> None:
