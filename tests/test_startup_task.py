@@ -189,3 +189,16 @@ def test_the_table_says_when_vllm_did_not_log_the_caches_hit_or_miss() -> None:
     assert "note: a saved log starts at its first line" in shown
     eager = startup.render_startup(startup.saved_startup(DATA / "boot-spec-decode.log"))
     assert "35.0 s, no torch.compile" in eager
+
+
+def test_status_shows_the_boot_of_each_of_the_routers_engines(project: Project) -> None:
+    from vllmstack.serve.state import write_state
+
+    boot = startup.saved_startup(DATA / "boot-h200-warm.log").boot
+    write_state(project, {"profile": "qwen3-0.6b", "url": "", "boot": boot.as_json()}, "qwen3-0-6b")
+    report = {"running": False, "healthy": False, "state": "missing", "runtime": "native",
+              "url": "http://127.0.0.1:8180", "argv": None, "model": None, "kv_cache_usage": None,
+              "profile": None, "containers": [], "engines": lifecycle.named_report(project)}
+    shown = lifecycle.render_status(report)
+    assert re.search(r"^engine qwen3-0-6b: not answering \(profile qwen3-0.6b, \); boot 82\.0 s, "
+                     r"warm \(torch\.compile cache hit\)", shown, re.M), shown

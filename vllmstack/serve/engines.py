@@ -76,8 +76,13 @@ def named_report(project: Project) -> list[dict[str, Any]]:
         asleep = is_sleeping(engine.url, timeout=1.0) if code == 200 else None
         state = ("not answering" if code is None else "asleep" if asleep else
                  "healthy" if code == 200 else f"/health {code}")
+        try:
+            boot = (read_state(project, engine.slot) or {}).get("boot")
+        except StateError:
+            boot = None
         out.append({"name": engine.slot, "profile": engine.profile or None, "url": engine.url,
-                    "healthy": code == 200, "asleep": bool(asleep), "state": state})
+                    "healthy": code == 200, "asleep": bool(asleep), "state": state,
+                    "boot": boot})  # its last boot's phases, as `up` measured them
     return out
 
 

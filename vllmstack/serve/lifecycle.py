@@ -468,5 +468,6 @@ def render_status(report: dict[str, Any]) -> str:
         lines.append(f"  {member.get('name')}: {member.get('state')} ({member.get('status')})")
     for named in report.get("engines") or []:
         lines.append(f"engine {named['name']}: {named['state']} (profile {named['profile']}, "
-                     f"{named['url']})")
+                     f"{named['url']})" + (f"; boot {boot_summary(named['boot'])}"
+                                           if named.get("boot") else ""))
     return "\n".join(lines)
