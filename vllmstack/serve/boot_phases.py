@@ -2,8 +2,8 @@
 
 vLLM stamps each line `INFO 11-29 16:10:03 [file.py:12]` (the engine's local time, no year, whole
 seconds); llama-server stamps `0.00.149.576` (minutes, seconds, ms, us since its process started).
-A line that names a phase (`MARKERS`, texts from real logs: shared/reference/vllm-captures (0.27.1),
-tests/data/boot-cpu-*.log (0.32 CPU), tests/data/llamacpp/, and vLLM's and llama.cpp's source)
+A line that names a phase (serve.boot_markers, texts from real logs: the 0.27.1 captures and H200
+boots, the 0.32 CPU engine's, llama-server's, all in tests/data, and vLLM's and llama.cpp's source)
 either *marks* a phase (it is in progress at that line: from there on, the time is that phase's)
 or *ends* one (it ran up to that line: the time since the previous phase stopped is its). A line
 that says how long its phase took (`Model loading took ... 1.59 seconds`, `torch.compile took
@@ -17,7 +17,9 @@ The phases add up to the wall time by construction: every boundary lies between 
 and its end. With the times `up` measures (when it launched the engine, when /health said 200,
 the warm-up) the log's clock is matched to the host's (its offset from UTC is a whole number of
 quarter hours: a container may run in another time zone), `starting` is launch to the first log
-line (imports, and the container's start), and the wall is what `up` measured.
+line (imports, and the container's start), and the wall is what `up` measured. A log whose clock
+does not fit that boot (its first line before the launch, its server up after /health answered:
+another boot's log) keeps its phases' lengths, and the rest of what `up` measured is `other`.
 """
 
 from __future__ import annotations
