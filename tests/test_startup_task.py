@@ -150,6 +150,7 @@ def test_up_records_the_boot_for_status_startup_and_the_history(
     assert ctx.command is not None
     key = compile_key(resolved, ctx.command.argv)
     assert history.records[0].compile_key == key and len(read_boots_with(project, key)) == 1
+    assert history.as_json()["boots"][0]["compile_key"] == key  # `startup --history N --json`
     with (project.results / "boot_history.jsonl").open("a") as handle:
         handle.write('{"version": 1, "recorded": 1, "profi')  # a writer killed mid-line
     again = startup.boot_history(project, 10)

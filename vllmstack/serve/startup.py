@@ -190,7 +190,8 @@ class History:
 
     def as_json(self) -> dict[str, Any]:
         return {"skipped": self.skipped, "boots": [
-            {"recorded": r.recorded, "profile": r.profile, "slot": r.slot, **r.boot.as_json()}
+            {"recorded": r.recorded, "profile": r.profile, "slot": r.slot,
+             "compile_key": r.compile_key, **r.boot.as_json()}
             for r in self.records]}
 
 
