@@ -32,9 +32,11 @@ from vllmstack.cli.llamacpp_tasks import gguf_convert, gpu_check  # noqa: F401
 from vllmstack.cli.maintenance_tasks import template_check, update_check  # noqa: F401
 from vllmstack.cli.task import bench_task, exit_with, stack_task
 from vllmstack.cli.tuning_tasks import calibrate_kv, tune  # noqa: F401
-from vllmstack.cli.values import PORT
+from vllmstack.cli.values import PATH, PORT, PROFILE, choice, whole
+from vllmstack.config.engines.table import ENGINES
 
 _project = project_here
+ENGINE_NAMES = tuple(ENGINES)
 _runner = make_runner
 _resolve = resolve_here
 _print_json = print_json
@@ -165,6 +167,26 @@ def status(c: Context, model: Opt = None, platform: Opt = None, set: Sets = None
     lifecycle = _lifecycle()
     report = lifecycle.status(_stack(model, platform, set, runtime))
     _print_json(report) if json else print(lifecycle.render_status(report))
+
+
+@stack_task(values={"log": PATH, "profile": PROFILE, "engine": choice(ENGINE_NAMES),
+                    "history": whole(1, 10_000, "a number of boots", 10)}, help={
+    **JSON_HELP, "runtime": LIFECYCLE_HELP["runtime"], "log": "a saved engine log to read instead",
+    "profile": "the router's engine of this profile (default: the one `invoke up` started)",
+    "engine": "--log: whose log, vllm or llamacpp (default: found from its lines)",
+    "history": "the last N boots `up` recorded (results/boot_history.jsonl), one line each"})
+def startup(c: Context, log: Opt = None, profile: Opt = None, engine: Opt = None,
+            runtime: Opt = None, history: int = 0, json: bool = False) -> None:
+    """The phases of the last boot (or a saved log's): seconds, share, cold or warm torch.compile."""
+    from vllmstack.serve import startup as boot
+
+    if history:
+        records = boot.boot_history(_project(), history)
+        _print_json(records.as_json()) if json else print(boot.render_history(records))
+        return
+    found = boot.read_startup(_project(), log=Path(log) if log else None, profile=profile,
+                              engine=engine, default_stack=lambda: _stack(None, None, None, runtime))
+    _print_json(found.as_json()) if json else print(boot.render_startup(found))
 
 
 @stack_task(iterable=["set"], help={**RUNNING_HELP, "runtime": LIFECYCLE_HELP["runtime"],

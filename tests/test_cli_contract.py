@@ -98,12 +98,13 @@ def test_config_explain_json_names_each_source(cli_project: Project) -> None:
 
 ROOT = Path(__file__).resolve().parents[1]
 # `invoke --list` as users know it: the restructuring of issue 10 kept every task name; issues 13
-# and 14 added bench-vs, burn, gguf-convert, gpu-check and router; issue 25 tune and calibrate-kv.
+# and 14 added bench-vs, burn, gguf-convert, gpu-check and router; issue 25 tune and calibrate-kv;
+# issue 38 startup.
 TASKS = ["bench", "bench-conc", "bench-depth", "bench-vs", "build", "burn", "calibrate-kv", "check",
          "clear-caches", "config", "dashboard", "dashboard-down", "dashboard-up", "doctor", "down",
          "engines", "exec", "export", "gguf-convert", "gpu-check", "import-env", "install-engine",
          "logs", "make-model", "probe", "profiles", "rebuild", "report", "router", "stability",
-         "status", "template-check", "test", "tune", "up", "update-check", "verify-patches"]
+         "startup", "status", "template-check", "test", "tune", "up", "update-check", "verify-patches"]
 
 
 def test_task_list_is_unchanged() -> None:

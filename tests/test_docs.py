@@ -47,7 +47,8 @@ LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 INLINE_CODE = re.compile(r"`[^`]+`")
 # What a docs/ ```bash line may run: tasks that only read (and write only git-ignored files), in
 # the forms that start nothing. Anything else there would make the README walk slow or need a GPU.
-READ_ONLY = {"profiles", "config", "check", "engines", "template-check", "export"}
+READ_ONLY = {"profiles", "config", "check", "engines", "template-check", "export",
+             "startup"}  # reads a log or the recorded boots
 STARTS_NOTHING = {"--dry-run", "--plan"}
 ONLY_WITH = {"update-check": "--offline"}  # asks github, PyPI and Docker Hub otherwise
 SLOW_FORMS = {"--deep"}  # check --deep creates a 2 GB parser environment the first time

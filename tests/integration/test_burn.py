@@ -38,6 +38,13 @@ def test_burn_runs_every_profile_of_the_platform_and_a_crash_is_a_fail_row(sims:
     assert 400 < tps["mean"] < 520 and good["unstable"] is False
     assert good["ttft_ms"]["mean"] > 0 and good["load_s"] > 0
     assert good["load_kind"] in ("cold", "warm")
+    # The boot's phases, as `up` measured them: summing to the wall, which includes the warm-up.
+    boot = good["boot"]
+    assert boot["phases"] and abs(boot["sum_s"] - boot["wall_s"]) <= 0.05 * boot["wall_s"]
+    assert boot["wall_s"] >= good["load_s"] and crash.get("boot") is None
+    (booted,) = (json.loads(line) for line in
+                 (sims.project.results / "boot_history.jsonl").read_text().splitlines())
+    assert booted["profile"] == "sim-a" and booted["boot"] == boot
     assert crash["status"] == "FAIL" and crash["tps"] is None and crash["load_s"] is None
     assert "exited with code 1" in crash["diagnosis"]
     assert "out of memory for the KV cache" in crash["diagnosis"] and crash["fix"]

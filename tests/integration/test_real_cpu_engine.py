@@ -124,6 +124,14 @@ def test_up_status_serves_the_made_model(served: Stack) -> None:
     text = json.dumps(status)
     assert status.get("runtime") == "native" and '"tiny"' in text
     assert "healthy" in text.lower()
+    # The boot `up` waited for, phase by phase from the real engine's log (issue 38).
+    boot = status["boot"]
+    assert boot["engine"] == "vllm" and boot["complete"] and boot["compile"] in ("cold", "warm")
+    assert abs(boot["sum_s"] - boot["wall_s"]) <= 0.05 * boot["wall_s"]
+    names = {p["name"] for p in boot["phases"]}
+    assert {"starting", "parsing arguments", "loading weights", "compiling", "warm-up"} <= names
+    startup = json.loads(served.must("startup", "--json").stdout)
+    assert startup["source"] == "generated/state.json" and startup["phases"] == boot["phases"]
 
 
 def made_snapshot(stack: Stack) -> Path:

@@ -19,6 +19,7 @@ from typing import Any
 
 from vllmstack.checks import deep as vllm_parser
 from vllmstack.checks.capacity import rule_detected_gpus, rule_memory, rule_parallelism
+from vllmstack.checks.compile_cache import rule_compile_cache
 from vllmstack.checks.context import CheckContext, Rule, build_context
 from vllmstack.checks.files import rule_files_exist
 from vllmstack.checks.inputs import (
@@ -98,6 +99,7 @@ RULES: tuple[Rule, ...] = (
     rule_pins,
     rule_overlays,
     rule_router_swap,
+    rule_compile_cache,  # after rule_argv: it keys the argv that rule built
 )
 ENGINES = tuple(KINDS)
 _VLLM = (vllm.KIND.name,)
@@ -119,6 +121,7 @@ RULE_ENGINES: Mapping[Rule, tuple[str, ...]] = MappingProxyType({
     rule_overlays: _VLLM,
     rule_rccl_ll_protocol: _VLLM,  # vLLM's tensor parallelism all-reduces through RCCL
     rule_fp8_kv_backend: _VLLM,
+    rule_compile_cache: _VLLM,  # llama.cpp compiles nothing at boot
     rule_llamacpp_required: _LLAMACPP,
     rule_llamacpp_argv: _LLAMACPP,
     rule_gguf_files: _LLAMACPP,
@@ -174,7 +177,7 @@ def report_json(resolved: Resolved, findings: list[Finding]) -> dict[str, Any]:
 def render_report(resolved: Resolved, findings: list[Finding], *, verbose: bool = False) -> str:
     shown = [f for f in findings if verbose or f.severity != "info" or f.code in (
         "memory-projection", "spec-implies-no-async", "no-dotenv", "vllm-parser-ok", "gpu-detected",
-        "gpu-not-detected", "gguf-header", "llamacpp-memory-projection")]
+        "gpu-not-detected", "gguf-header", "llamacpp-memory-projection", "compile-cache")]
     errors = sum(f.severity == "error" for f in findings)
     warnings = sum(f.severity == "warning" for f in findings)
     kind = engine_kind(resolved)

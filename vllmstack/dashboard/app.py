@@ -60,9 +60,12 @@ from vllmstack.dashboard.runs import (
     bench_command,
 )
 from vllmstack.observe.metrics import metrics_url
+from vllmstack.serve.boot_history import read_boots_in
 
 STATIC_DIR = Path(__file__).parent / "static"
 HISTORY_KINDS = ("bench", "depth", "conc")
+# The boots the page lists (results/boot_history.jsonl, `invoke startup --history`).
+BOOTS_SHOWN = 5
 # Long strings (raw logs) are cut in listings; the download has them whole.
 LIST_STRING_LIMIT = 2000
 
@@ -385,6 +388,14 @@ def create_app(
         if not isinstance(data, dict) or "loaded" not in data:
             return {"running": False, "url": settings.router_url}
         return {"running": True, "url": settings.router_url, **_json_safe(data)}
+
+    @app.get("/api/boots")
+    async def boots() -> dict[str, Any]:
+        """The last boots `up` recorded (serve.boot_history), newest last: the boot card."""
+        records, skipped = await asyncio.to_thread(read_boots_in, settings.history_dir, BOOTS_SHOWN)
+        return {"skipped": skipped, "boots": [
+            {"recorded": r.recorded, "profile": r.profile, "slot": r.slot,
+             **{k: v for k, v in r.boot.as_json().items() if k != "notes"}} for r in records]}
 
     @app.get("/api/metrics")
     async def metrics() -> Any:

@@ -79,9 +79,14 @@ def named_report(project: Project) -> list[dict[str, Any]]:
         state = ("not answering" if code is None else "asleep" if asleep else
                  "healthy" if code == 200 else f"/health {code}")
         tier = tiers.get(engine.profile or "", {})
+        try:
+            boot = (read_state(project, engine.slot) or {}).get("boot")
+        except StateError:
+            boot = None
         out.append({"name": engine.slot, "profile": engine.profile or None, "url": engine.url,
                     "healthy": code == 200, "asleep": bool(asleep), "state": state,
-                    "tier": tier.get("tier"), "swap_s": tier.get("swap_s")})
+                    "tier": tier.get("tier"), "swap_s": tier.get("swap_s"),
+                    "boot": boot})  # its last boot's phases, as `up` measured them
     return out
 
 

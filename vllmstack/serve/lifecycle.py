@@ -11,7 +11,7 @@ from __future__ import annotations
 import shlex
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -26,12 +26,11 @@ from vllmstack.core.files import FileWriteError, remove_file
 from vllmstack.core.findings import Finding, sort_findings
 from vllmstack.core.paths import Project
 from vllmstack.core.runner import Runner, mask_argv
-from vllmstack.core.store import clear_store
 from vllmstack.observe import metrics
 from vllmstack.observe.health import health_status, identify_server
-from vllmstack.runtime import engine_env
 from vllmstack.runtime.base import Beside
 from vllmstack.runtime.gpu import GIB, total_used
+from vllmstack.serve.boot_phases import Boot
 from vllmstack.serve.engines import (
     answering_others,
     named_report,
@@ -48,6 +47,7 @@ from vllmstack.serve.guards import (
     wait_gpu_release,
     wait_gpu_settled,
 )
+from vllmstack.serve.inspection import clear_caches, exec_in_engine, logs
 from vllmstack.serve.interruption import (
     UP_STOP_WAIT_S,
     UpInterruptedError,
@@ -56,6 +56,7 @@ from vllmstack.serve.interruption import (
 )
 from vllmstack.serve.running import recorded_overrides
 from vllmstack.serve.stack import LifecycleError, Stack, open_stack
+from vllmstack.serve.startup import boot_summary, measure_up_boot, summary_line
 from vllmstack.serve.state import (
     StateError,
     foreign_state,
@@ -83,6 +84,7 @@ class UpResult:
     boot_seconds: float
     warmup_seconds: float | None
     notes: list[str] = field(default_factory=list)
+    boot: Boot | None = None  # the boot's phases (serve.boot_phases); None: none was waited for
 
 
 def preflight(project: Project, resolved: Resolved, environ: Mapping[str, str],
@@ -191,7 +193,8 @@ def _up(stack: Stack, *, timeout: float | None, force: bool, dashboard: bool,
         print("the engine is already starting with this very command (an earlier `invoke up` "
               "ended before it was healthy); waiting for it instead of starting another",
               file=out)
-        return _boot(stack, [], dashboard=dashboard, timeout=timeout)
+        return _boot(stack, [], dashboard=dashboard, timeout=timeout,
+                     launched=previous.get("launched", previous.get("started")))
     guards = check_guards(resolved, stack.probe, own_engine_running=current.running,
                           runtime=stack.engine.flavour, runner=stack.runner)
     if current.running:
@@ -206,7 +209,7 @@ def _up(stack: Stack, *, timeout: float | None, force: bool, dashboard: bool,
               f"{stack.url}/health, then warm up {stack.served_name!r}", file=out)
         return UpResult(stack.url, stack.served_name, 0.0, None, notes)
     baseline = total_used(stack.probe.memory())
-    started = False
+    started, launched = False, time.time()
     try:
         stack.engine.start()  # a runtime's StackError carries its own cause and fix
         started = True
@@ -217,7 +220,8 @@ def _up(stack: Stack, *, timeout: float | None, force: bool, dashboard: bool,
             "profile": resolved.profile, "platform": resolved.platform,
             "sets": recorded_overrides(resolved),
             "argv": command.argv, "url": stack.url, "served_name": stack.served_name,
-            "started": time.time(), "gpu_used_before": baseline, "slot": stack.slot,
+            "started": time.time(), "launched": launched, "gpu_used_before": baseline,
+            "slot": stack.slot,
         }, stack.slot)
     except (FileWriteError, UpInterruptedError) as exc:
         # An engine `down` could not account for (no state file) must not keep running; one
@@ -226,7 +230,7 @@ def _up(stack: Stack, *, timeout: float | None, force: bool, dashboard: bool,
         raise LifecycleError(f"{exc.cause}; the engine this `up` started was stopped"
                              if started and isinstance(exc, FileWriteError) else exc.cause,
                              exc.fix) from exc
-    return _boot(stack, notes, dashboard=dashboard, timeout=timeout)
+    return _boot(stack, notes, dashboard=dashboard, timeout=timeout, launched=launched)
 
 
 def _already_running(previous: Mapping[str, Any]) -> Guard:
@@ -253,9 +257,11 @@ def _checkout_engine(other: Any) -> Guard:
         "or `invoke up --force` to start anyway")
 
 
-def _boot(stack: Stack, notes: list[str], *, dashboard: bool, timeout: float | None) -> UpResult:
+def _boot(stack: Stack, notes: list[str], *, dashboard: bool, timeout: float | None,
+          launched: float | None) -> UpResult:
     """Wait for the started engine's /health (stopping it when it dies, hangs or `up` is
-    interrupted), warm it up, start the dashboard."""
+    interrupted), warm it up, record the boot's phases (`launched`: when it was started), start
+    the dashboard."""
     out, resolved = stack.out, stack.resolved
     limit = float(timeout or resolved.get_float("UP_TIMEOUT"))
     print(f"starting {stack.served_name} ({resolved.profile} on {resolved.platform}, "
@@ -268,10 +274,13 @@ def _boot(stack: Stack, notes: list[str], *, dashboard: bool, timeout: float | N
                                   loading_503=engine_kind(resolved).loading_503,
                                   tensor_parallel=resolved.get_int("VLLM_TP"),
                                   backend=resolved.get("ATTENTION_BACKEND"))
-        booting = False
+        booting, healthy_at = False, time.time()
         print(f"healthy after {boot:.1f} s", file=out)
         warm = warm_up(stack.url, stack.served_name)
         print(f"warm-up answered in {warm:.2f} s", file=out)
+        phases = measure_up_boot(stack, launched, healthy_at, warm)
+        if phases is not None:
+            print(f"boot: {summary_line(phases)}", file=out)
         if dashboard:
             start_dashboard(stack, notes)
     except LifecycleError as exc:
@@ -280,7 +289,7 @@ def _boot(stack: Stack, notes: list[str], *, dashboard: bool, timeout: float | N
         if booting or isinstance(exc, UpInterruptedError):
             stack.engine.stop()
         raise
-    return UpResult(stack.url, stack.served_name, boot, warm, notes)
+    return UpResult(stack.url, stack.served_name, boot, warm, notes, phases)
 
 
 def start_dashboard(stack: Stack, notes: list[str]) -> bool:
@@ -427,6 +436,7 @@ def status(stack: Stack) -> dict[str, Any]:
         "kv_cache_usage": None,
         "requests_running": None,
         "requests_waiting": None,
+        "boot": recorded.get("boot"),  # its phases, as `up` measured them (`invoke startup`)
         # The checkout's named engines (the router's, one per profile), each in its own place.
         "engines": named_report(stack.project) if not stack.slot else [],
     }
@@ -454,6 +464,8 @@ def render_status(report: dict[str, Any]) -> str:
     lines = [f"engine: {health} ({what})", f"url:    {report['url']}"]
     if report.get("argv"):
         lines.append(f"argv:   {shlex.join(report['argv'])}")
+    if report.get("boot"):
+        lines.append(f"boot:   {boot_summary(report['boot'])}")
     if report["model"]:
         lines.append(f"model:  {report['model']} (max_model_len {report['max_model_len']})")
     if report["kv_cache_usage"] is not None:
@@ -468,34 +480,3 @@ def render_status(report: dict[str, Any]) -> str:
                      f"{named['url']}" + (f"; router tier {tier}" if tier else "")
                      + (f", swap back ~{swap:.2f} s" if tier and swap else "") + ")")
     return "\n".join(lines)
-
-
-def logs(stack: Stack, *, follow: bool = True, tail: int = 200, service: str = "vllm") -> int:
-    """Stream the engine log (follow) to the terminal."""
-    argv = stack.engine.log_command(tail=tail, follow=follow, service=service)
-    if argv is not None:
-        return stack.runner.run(argv, capture=False, mutates=False).returncode
-    for line in stack.engine.log_lines(tail):
-        print(line, file=stack.out)
-    return 0
-
-
-def exec_in_engine(stack: Stack, command: Sequence[str], *, tty: bool) -> int:
-    if not command:
-        raise LifecycleError("nothing to run", "give a command after --, e.g. invoke exec -- python3 -V")
-    argv = stack.engine.exec_command(command, tty=tty)
-    return stack.runner.run(argv, capture=False).returncode
-
-
-def clear_caches(stack: Stack, *, dry_run: bool = False, store: bool = False) -> list[str]:
-    """Delete compile/JIT caches (after an image or driver change); the HF cache stays. `store`:
-    the build store too (core/store.py), which says what it frees and keeps what is in use."""
-    if store:
-        print("\n".join(clear_store(stack.environ, dry_run=dry_run)), file=stack.out)
-    if stack.engine.state().running:
-        raise LifecycleError("the engine is running and uses these caches", "invoke down first")
-    done = engine_env.clear_engine_caches(engine_env.stack_paths(stack.resolved, stack.environ),
-                                          dry_run=dry_run)
-    for line in done or ["nothing to delete"]:
-        print(("(dry run) " if dry_run else "") + line, file=stack.out)
-    return done

@@ -1,7 +1,8 @@
 """The state file between invocations: what `up` started, so `status` and `down` know it.
 
 generated/state.json records the runtime (and compose flavour), the Compose project name, profile,
-platform, the exact argv, the URL and GPU memory in use before `up`. It decides which runtime and
+platform, the exact argv, the URL, GPU memory in use before `up`, and once the engine is healthy
+the phases of its boot (serve.startup). It decides which runtime and
 which containers later commands look at, so a damaged one is an error that names it, never a
 guess: guessing would make `down` look for the wrong containers and report "stopped". Only
 `down` goes on past a damaged one: it sets the file aside (renamed, not deleted) and stops what
@@ -37,6 +38,8 @@ FIELDS: dict[str, tuple[type, ...]] = {
     "sets": (list,),  # the --set overrides (serve.running: later commands resolve the same)
     "checkout": (str,), "root": (str,),  # who wrote it (a copied checkout is not that one)
     "slot": (str,),  # the engine's name in the checkout ("" or absent: the default engine)
+    "launched": (int, float),  # when `up` started it: its boot's phases count from there
+    "boot": (dict,),  # its boot's phases, once healthy (serve.boot_phases; `invoke startup`)
 }
 # A state file is a few kilobytes (the argv); far more is not one the stack wrote.
 STATE_MAX_BYTES = 1_000_000

@@ -13,47 +13,20 @@ from vllmstack.core.runner import mask_text
 from vllmstack.observe.health import health_status
 from vllmstack.runtime.base import EngineRuntime, EngineState
 from vllmstack.serve import diagnosis
+from vllmstack.serve.boot_markers import live_phase
 from vllmstack.serve.stack import LifecycleError
 
 POLL_S = 0.5
 # A boot whose log stood still this long at the timeout hung rather than worked slowly.
 HANG_SILENCE_S = 120.0
 
-# The newest line holding one of these names the boot phase (texts from real vLLM 0.27 boots:
-# shared/reference/vllm-captures/boot.log, shared/gpu/runs-*). Specific phrases only: a bare
-# "profil" or "torch.compile" also matches tracebacks and "disabling torch.compile".
-PHASES: tuple[tuple[str, str], ...] = (
-    ("Application startup complete", "serving"),
-    ("Starting vLLM server", "starting API server"),
-    ("Supported tasks:", "starting API server"),
-    ("Graph capturing finished", "starting API server"),
-    ("Capturing CUDA graph", "capturing graphs"),
-    ("Maximum concurrency for", "allocating KV cache"),
-    ("GPU KV cache size", "allocating KV cache"),
-    ("Available KV cache memory", "allocating KV cache"),
-    ("Initial profiling/warmup run", "profiling memory"),
-    ("torch.compile took", "profiling memory"),
-    ("Compiling a graph", "compiling"),
-    ("Cache the graph of compile range", "compiling"),
-    ("Dynamo bytecode transform", "compiling"),
-    ("for vLLM's torch.compile", "compiling"),
-    ("Loading weights took", "loading weights"),
-    ("Model loading took", "loading weights"),
-    ("Loading safetensors", "loading weights"),
-    ("Loading model", "loading weights"),
-    ("Starting to load model", "loading weights"),
-    ("Initializing a V1 LLM engine", "initialising engine"),
-    ("non-default args", "parsing arguments"),
-)
-
-
 def phase_of(lines: Sequence[str], default: str = "starting") -> str:
     """The boot phase the newest telling line names; `default` (the phase so far) when none does,
     e.g. while a long traceback fills the tail."""
     for line in reversed(lines):
-        for needle, phase in PHASES:
-            if needle in line:
-                return phase
+        phase = live_phase(line)  # the table `invoke startup` measures the boot's phases with
+        if phase is not None:
+            return phase
     return default
 
 

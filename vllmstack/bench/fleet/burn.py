@@ -171,7 +171,7 @@ def _burn_one(project: Project, environ: Mapping[str, str], name: str, platform:
         return None
     try:
         started = start(stack, timeout=up_timeout)
-        row.update(load_s=started.boot_s, load_kind=started.load_kind)
+        row.update(load_s=started.boot_s, load_kind=started.load_kind, boot=started.boot)
         results = asyncio.run(_runs(target_from_profile(resolved), runs=runs, warmup=warmup,
                                     max_tokens=max_tokens, timeout_s=timeout_s,
                                     keep=keep_alive(row["engine"])))

@@ -127,6 +127,7 @@ class Started:
     load_kind: str
     cache_files: tuple[int, int]  # before and after `up`
     baseline_bytes: int | None  # GPU memory in use before `up` (None: no GPU to read)
+    boot: dict[str, Any] | None = None  # its phases as `up` measured them (serve.boot_phases)
 
 
 def open_profile(project: Project, resolved: Resolved, environ: Mapping[str, str],
@@ -142,7 +143,7 @@ def start(stack: Stack, *, timeout: float | None = None) -> Started:
     result = lifecycle.up(stack, timeout=timeout, dashboard=False)
     after = compile_cache_files(stack.resolved, stack.environ)
     return Started(stack, result.boot_seconds, load_kind(before, after), (before, after),
-                   baseline)
+                   baseline, result.boot.as_json() if result.boot is not None else None)
 
 
 def needs_down(stack: Stack) -> bool:

@@ -250,7 +250,7 @@ def _run_target(project: Project, environ: Mapping[str, str], vt: VsTarget, opts
     try:
         started = start(stack, timeout=up_timeout)
         row.update(load_s=started.boot_s, load_kind=started.load_kind,
-                   compile_cache_files=list(started.cache_files))
+                   compile_cache_files=list(started.cache_files), boot=started.boot)
         measured = asyncio.run(_measure(started, vt, target, tokenizer_path, opts, progress))
         row.update(measured)
     except StackError as exc:

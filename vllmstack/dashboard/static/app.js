@@ -281,6 +281,31 @@ async function pollRouter() {
   setTimeout(pollRouter, 5000);
 }
 
+// The last boots `up` recorded (api/boots): where each one's time went, cold or warm.
+async function pollBoots() {
+  try {
+    const r = await (await api("api/boots")).json();
+    const boots = (r.boots || []).slice().reverse();
+    $("card-boots").hidden = boots.length === 0;
+    const compiled = { cold: "cold (compiled)", warm: "warm (cache hit)" };
+    $("boots-rows").replaceChildren(...boots.map((b) => {
+      const longest = (b.phases || []).filter((p) => p.name !== "other")
+        .sort((x, y) => y.seconds - x.seconds).slice(0, 3)
+        .map((p) => `${p.name} ${Number(p.seconds).toFixed(1)} s`).join(", ");
+      const tr = document.createElement("tr");
+      const cells = [new Date(b.recorded * 1000).toLocaleString(), b.profile,
+                     Number(b.wall_s).toFixed(1), compiled[b.compile] || "–", longest || "–"];
+      for (const cell of cells) {
+        const td = document.createElement("td");
+        td.textContent = cell;
+        tr.appendChild(td);
+      }
+      return tr;
+    }));
+  } catch (_) { $("card-boots").hidden = true; }
+  setTimeout(pollBoots, 15000);
+}
+
 document.addEventListener("visibilitychange", async () => {
   if (document.hidden) { clearTimeout(state.pollTimer); state.pollTimer = null; return; }
   await loadRing();  // the server kept polling while the tab was hidden
@@ -621,6 +646,7 @@ async function main() {
   pollMetrics();
   pollRuns();
   pollRouter();
+  pollBoots();
   refreshAllHistory();
 }
 
