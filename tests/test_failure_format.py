@@ -37,6 +37,7 @@ BAD_INPUT: dict[str, list[str]] = {
     "gpu-check": ["--model", NOPE], "exec": ["--runtime", "native"],
     "clear-caches": ["--dry-run"], "dashboard-down": [],
     "router": ["--profiles", NOPE, "--platform", "cpu"],
+    "startup": ["--log", "/nonexistent/boot.log"],
 }
 # These take no profile option: .env names a platform that does not exist.
 BAD_DOTENV = {"clear-caches", "dashboard-down"}

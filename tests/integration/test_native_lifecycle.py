@@ -36,7 +36,7 @@ os.execv(sys.executable, [sys.executable, SIMULATOR, *sys.argv[1:]])
 """
 STATUS_KEYS = {"runtime", "running", "healthy", "model", "max_model_len", "url", "profile",
                "platform", "argv", "state", "restarts", "containers", "kv_cache_usage",
-               "requests_running", "requests_waiting", "selected", "engines"}
+               "requests_running", "requests_waiting", "selected", "engines", "boot"}
 
 
 

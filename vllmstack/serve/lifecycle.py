@@ -478,5 +478,6 @@ def render_status(report: dict[str, Any]) -> str:
         swap = named.get("swap_s")
         lines.append(f"engine {named['name']}: {named['state']} (profile {named['profile']}, "
                      f"{named['url']}" + (f"; router tier {tier}" if tier else "")
-                     + (f", swap back ~{swap:.2f} s" if tier and swap else "") + ")")
+                     + (f", swap back ~{swap:.2f} s" if tier and swap else "") + ")"
+                     + (f"; boot {boot_summary(named['boot'])}" if named.get("boot") else ""))
     return "\n".join(lines)
