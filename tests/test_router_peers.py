@@ -6,7 +6,10 @@ in front of its own stand-in engine (tests/router_harness.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import math
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,9 +22,10 @@ from router_harness import STREAM, Running, running_router
 
 from vllmstack.config.profiles import Resolved, Setting
 from vllmstack.router.limits import Limits
-from vllmstack.router.link import HOP_HEADER, own_models
+from vllmstack.router.link import HOP_HEADER, PeerLink, PeerState, own_models
 from vllmstack.router.options import RouterError
-from vllmstack.router.peers import Peer, parse_peers, start_peers, token_folder
+from vllmstack.router.peers import Peer, parse_peers, plain_loopback, start_peers, token_folder
+from vllmstack.router.upstream import Upstream
 
 LIMITS = Limits(max_connections=64, keepalive_timeout=10.0)
 TOKEN_A = "router-a-token-0123456789abcdefghijklmnop"
@@ -254,3 +258,58 @@ def test_peers_come_from_the_option_then_the_environment_then_dotenv(tmp_path: P
     assert token_folder("", root=tmp_path, environ={"HOME": "/home/u"}) == \
         Path("/home/u/.config/vllmstack/peer-tokens")
     assert token_folder("keys", root=tmp_path, environ={}) == tmp_path / "keys"
+
+
+def test_a_down_peers_models_go_to_another_peer_that_has_them(tmp_path: Path) -> None:
+    folder = token_dir(tmp_path, TOKEN_B)
+    token_dir(tmp_path, TOKEN_B, name="c")
+    with contextlib.ExitStack() as stack:
+        b_running = running_router(LIMITS, token=TOKEN_B, model="mb")
+        b = b_running.__enter__()
+        c = stack.enter_context(running_router(LIMITS, token=TOKEN_B, model="mb"))
+        peers = parse_peers(f"b={b.url},c={c.url}", where=".env:2", token_dir=folder)
+        a = stack.enter_context(running_router(LIMITS, token=TOKEN_A, model="ma", peers=peers))
+        assert models(a)["mb"]["peers"] == ["b", "c"]
+        assert post(a, "/v1/chat/completions", {"model": "mb", **CHAT}).status_code == 200
+        assert len(b.engine.seen) == 1 and c.engine.seen == []  # the first that has it
+        b_running.__exit__(None, None, None)
+        within(5, lambda: models(a)["mb"]["peer"] == "c")
+        assert post(a, "/v1/chat/completions", {"model": "mb", **CHAT}).status_code == 200
+        assert len(c.engine.seen) == 1
+        # A model no one lists is a 404 that names the peer that is down, and why.
+        unknown = post(a, "/v1/chat/completions", {"model": "nowhere", **CHAT})
+        assert unknown.status_code == 404
+        assert f"not known from peer b ({b.url}), down: " in unknown.json()["error"]["message"]
+
+
+def test_a_refused_token_is_asked_again_less_often_and_stays_the_reason(tmp_path: Path) -> None:
+    async def run(peer: Peer, silent: Peer) -> tuple[PeerState, float, PeerState]:
+        upstream = Upstream(LIMITS)
+        link = PeerLink([peer, silent], upstream)
+        try:
+            state, quiet = link.states["b"], link.states["q"]
+            await link.poll(state)
+            first = state.polled
+            await link.poll(state)  # within PEER_REFUSED_POLL_S: not asked again
+            # A peer whose back-off now holds its 401 past the poll's timeout keeps its reason.
+            link.mark(quiet, False, "it refused this router's token for it (401)", refused=True)
+            quiet.polled = -math.inf
+            await link.poll(quiet)
+            return state, first, quiet
+        finally:
+            await upstream.close()
+
+    with running_router(LIMITS, token=TOKEN_B, model="mb") as b, \
+            socket.create_server(("127.0.0.1", 0)) as listener:  # accepts, never answers
+        wrong = peer_b(tmp_path, b.url, token="not-bs-token-0123456789abcdefghijklmno")
+        silent = Peer("q", f"http://127.0.0.1:{listener.getsockname()[1]}", TOKEN_B,
+                      wrong.token_file)
+        state, first, quiet = asyncio.run(run(wrong, silent))
+    assert state.refused and state.polled == first and "refused" in state.reason
+    assert quiet.reason == "it refused this router's token for it (401)" and quiet.up is False
+
+
+def test_a_plain_http_peer_beyond_loopback_is_said_to_be_unencrypted() -> None:
+    assert plain_loopback("http://127.0.0.1:8080") and plain_loopback("http://[::1]:1")
+    assert plain_loopback("https://192.168.1.20:8443")
+    assert not plain_loopback("http://192.168.1.20:8080")

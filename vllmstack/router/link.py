@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,6 +43,10 @@ from vllmstack.router.upstream import (
 
 PEER_POLL_S = 1.0
 PEER_TIMEOUT_S = 1.0
+# A peer that refused the token is asked less often: the token is read at start, so only the
+# peer's side can change, and each refusal feeds that peer's wrong-token back-off
+# (limits.FailureThrottle), which soon holds its 401s past PEER_TIMEOUT_S.
+PEER_REFUSED_POLL_S = 5.0
 MAX_LISTING_BYTES = 4 * 1024 * 1024
 HOP_HEADER = "x-vllmstack-peer-hop"  # set on every forward: its receiver never forwards again
 
@@ -56,6 +61,8 @@ class PeerState:
     reason: str = ""
     models: dict[str, dict[str, Any]] = field(default_factory=dict)
     since: float = 0.0  # when `up` last changed (time.time())
+    refused: bool = False  # its last answer refused the token
+    polled: float = -math.inf  # when it was last asked (time.monotonic())
 
     def view(self) -> dict[str, Any]:
         return {"url": self.peer.url, "up": bool(self.up), "reason": self.reason or None,
@@ -89,6 +96,10 @@ class PeerLink:
 
     async def poll(self, state: PeerState) -> None:
         peer = state.peer
+        now = time.monotonic()
+        if state.refused and now - state.polled < PEER_REFUSED_POLL_S:
+            return
+        state.polled = now
         try:
             async with self.upstream.session.get(
                     peer.url + "/v1/models", allow_redirects=False,
@@ -97,13 +108,15 @@ class PeerLink:
                 body = await answer.content.read(MAX_LISTING_BYTES + 1)
                 status = answer.status
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            if state.refused and isinstance(exc, TimeoutError):
+                return  # its back-off holding the 401: the token is still the reason
             self.mark(state, False, (f"no answer within {PEER_TIMEOUT_S:g} s"
                                      if isinstance(exc, TimeoutError)
                                      else f"no answer ({type(exc).__name__})"))
             return
         if status in (401, 403):
             self.mark(state, False, f"it refused this router's token for it ({status}): check "
-                                    f"{peer.token_file} holds its ROUTER_TOKEN")
+                                    f"{peer.token_file} holds its ROUTER_TOKEN", refused=True)
             return
         models = own_models(body) if status == 200 and len(body) <= MAX_LISTING_BYTES else None
         if models is None:
@@ -112,13 +125,13 @@ class PeerLink:
         state.models = models
         self.mark(state, True, "")
 
-    def mark(self, state: PeerState, up: bool, reason: str) -> None:
+    def mark(self, state: PeerState, up: bool, reason: str, *, refused: bool = False) -> None:
         if state.up is not up:
             state.since = time.time()
             self.say(f"peer {state.peer.name} ({state.peer.url}) is up: "
                      f"{', '.join(sorted(state.models)) or 'no models'}" if up
                      else f"peer {state.peer.name} ({state.peer.url}) is down: {reason}")
-        state.up, state.reason = up, reason
+        state.up, state.reason, state.refused = up, reason, refused
 
     # --- views --------------------------------------------------------------------------------
 
@@ -148,6 +161,11 @@ class PeerLink:
                     "peer": best.peer.name, "peer_up": bool(best.up),
                     "peers": [s.peer.name for s in self.holders(model)]}
         return list(items.values())
+
+    def down(self) -> str:
+        """The peers down now, each with why ("" when all answer)."""
+        return "; ".join(f"peer {s.peer.name} ({s.peer.url}), down: {s.reason}"
+                         for s in self.states.values() if not s.up)
 
     def snapshot(self) -> dict[str, Any]:
         return {name: state.view() for name, state in self.states.items()}
@@ -185,7 +203,8 @@ class PeerLink:
             async with self.upstream.open(peer.url + target, headers, body, cut) as answer:
                 if answer.status in (401, 403):  # the peer's refusal is about our token for it
                     self.mark(state, False, f"it refused this router's token for it "
-                                            f"({answer.status}): check {peer.token_file}")
+                                            f"({answer.status}): check {peer.token_file}",
+                              refused=True)
                     return reply(502, f"peer {peer.name} ({peer.url}) refused this router's "
                                       f"token for it ({answer.status}): check {peer.token_file}",
                                  peer=peer.name)

@@ -20,6 +20,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from vllmstack.config.profiles import Resolved
+from vllmstack.core import access
 from vllmstack.router.options import MAX_TOKEN_FILE, RouterError, checked_token
 
 PEERS_VAR = "ROUTER_PEERS"
@@ -145,3 +146,10 @@ def start_peers(resolved: Resolved, environ: Mapping[str, str], *, root: Path,
         value, where = resolved.get_raw(PEERS_VAR), resolved.source(PEERS_VAR) or ".env"
     folder = token_dir or environ.get(TOKEN_DIR_VAR) or resolved.get_raw(TOKEN_DIR_VAR)
     return read_peers(value, where, folder, root=root, environ=environ)
+
+
+def plain_loopback(url: str) -> bool:
+    """Whether a peer's URL is https, or http to this machine: nothing crosses a network in the
+    clear (the link's token is a bearer token)."""
+    parts = urlsplit(url)
+    return parts.scheme == "https" or access.is_loopback(parts.hostname or "")

@@ -283,7 +283,10 @@ class RouterApp:
             return refuse(400, f"name a model in 'model' (a string): one of {ids}", param="model")
         entry = self.catalog.find(name)
         if entry is None:
-            return refuse(404, f"The model `{shown_name(name)}` does not exist. Known models: {ids}",
+            # A peer that is down may serve it: the 404 says which, and why it is down.
+            down = self.peers.down() if self.peers is not None else ""
+            return refuse(404, f"The model `{shown_name(name)}` does not exist. Known models: {ids}"
+                          + (f"; not known from {down}" if down else ""),
                           param="model", known=self.catalog.ids)
         return entry
 

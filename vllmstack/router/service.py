@@ -38,7 +38,7 @@ from vllmstack.router.limits import Limits, read_limits
 from vllmstack.router.link import PeerLink
 from vllmstack.router.memory import build_plan, render_plan
 from vllmstack.router.options import TOKEN_VAR, RouterError
-from vllmstack.router.peers import Peer, start_peers
+from vllmstack.router.peers import Peer, plain_loopback, start_peers
 from vllmstack.router.plan import SLEEP, Plan
 from vllmstack.router.record import identity, remove_record, router_lock, write_record
 from vllmstack.router.server import RouterApp
@@ -319,6 +319,10 @@ async def _serve(project: Project, catalog: Catalog, lifecycle: Lifecycle, *, ho
             say(f"peer {name}: {state.peer.url}, "
                 + (f"up: {', '.join(sorted(state.models)) or 'no models'}" if state.up
                    else f"down: {state.reason}"))
+            if not plain_loopback(state.peer.url):
+                say(f"warning: peer {name} is plain http beyond loopback: its token and the "
+                    "requests cross the network unencrypted (put TLS in front of it and use "
+                    "https://, or keep the link on a trusted network)")
         idle = loop.create_task(manager.idle_loop())
         await stop.wait()
         say(f"stopping ({got[0] if got else 'stop'})")
