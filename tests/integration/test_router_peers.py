@@ -103,6 +103,17 @@ def boxes(tmp_path: Path) -> Iterator[dict[str, Any]]:
             os.kill(pid, signal.SIGKILL)
 
 
+def until_cut(lines: Iterator[bytes]) -> list[bytes]:
+    """The SSE data lines left, up to the close that cuts the body short (never framed as a
+    complete answer: requests says the response ended prematurely)."""
+    data: list[bytes] = []
+    with pytest.raises(requests.exceptions.ChunkedEncodingError):
+        for line in lines:
+            if line.startswith(b"data: "):
+                data.append(line)
+    return data
+
+
 def wait_for(seconds: float, router: Router, model: str, up: bool) -> float:
     began = time.monotonic()
     while router.models()[model]["peer_up"] is not up:
@@ -146,8 +157,15 @@ def test_a_peer_router_serves_through_a_goes_down_and_comes_back(boxes: dict[str
     assert json.loads(events[0][6:])["model"] == "sim-b"
     # B refuses anyone without its token: only A's link holds it.
     assert requests.get(b.url + "/v1/models", timeout=5).status_code == 401
-    # B's router is killed: A says so within 5 s, and names it in a 503.
-    b.stop(signal.SIGKILL)
+    # B's router is killed mid-stream: the stream through A ends with an error event naming B.
+    with a.chat("sim-b", body={"stream": True, "max_tokens": 2000}, stream=True) as long:
+        lines = long.iter_lines()
+        assert next(line for line in lines if line.startswith(b"data: "))
+        b.stop(signal.SIGKILL)
+        rest = until_cut(lines)
+    assert b"[DONE]" not in rest[-1]
+    assert "peer b's answer broke off" in json.loads(rest[-1][6:])["error"]["message"]
+    # A says B is down within 5 s, and names it in a 503.
     assert wait_for(5, a, "sim-b", False) < 5
     assert a.models()["sim-b"]["state"] == "unreachable"
     refused = a.chat("sim-b")
@@ -160,3 +178,27 @@ def test_a_peer_router_serves_through_a_goes_down_and_comes_back(boxes: dict[str
     again = a.chat("sim-b")
     assert again.status_code == 200 and again.json()["model"] == "sim-b", again.text
     assert a.proc.poll() is None
+
+
+@pytest.mark.slow  # two routers, a boot through the peer: about 4 s
+def test_a_stopping_router_ends_a_peer_stream_with_an_error_event(boxes: dict[str, Any]) -> None:
+    roots, started = boxes["roots"], boxes["started"]
+    port_b = free_port()
+    b = Router(roots["b"], port_b, "sim-b", TOKEN_B, {})
+    started.append(b)
+    b.wait_ready()
+    a = Router(roots["a"], free_port(), "sim-a", TOKEN_A,
+               {"ROUTER_PEERS": f"b=http://127.0.0.1:{port_b}",
+                "ROUTER_PEER_TOKEN_DIR": str(boxes["tokens"])})
+    started.append(a)
+    a.wait_ready()
+    with a.chat("sim-b", body={"stream": True, "max_tokens": 2000}, stream=True) as long:
+        lines = long.iter_lines()
+        assert next(line for line in lines if line.startswith(b"data: "))
+        a.proc.send_signal(signal.SIGTERM)
+        rest = until_cut(lines)
+    error = json.loads(rest[-1][6:])["error"]
+    assert error["message"] == "the router is stopping" and error["code"] == 503
+    assert a.proc.wait(timeout=30) == 0
+    # B goes on serving its own clients.
+    assert b.chat("sim-b").status_code == 200

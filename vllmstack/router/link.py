@@ -81,6 +81,15 @@ class PeerLink:
                  say: Callable[[str], None] = lambda line: None) -> None:
         self.states = {p.name: PeerState(p) for p in peers}
         self.upstream, self.say = upstream, say
+        self.cuts: set[Cut] = set()  # the forwards in flight, for a stop to end (cut_all)
+
+    def cut_all(self, reason: str) -> int:
+        """End every forward in flight with `reason` (the router stops): a stream gets an SSE
+        error event, a request still waiting for the peer a 503. How many there were."""
+        cuts = list(self.cuts)
+        for cut in cuts:
+            cut(reason)
+        return len(cuts)
 
     # --- health -------------------------------------------------------------------------------
 
@@ -199,6 +208,7 @@ class PeerLink:
         headers["Authorization"] = f"Bearer {peer.token}"
         headers[HOP_HEADER] = "1"
         cut = Cut(task=asyncio.current_task(), transport=request.transport)
+        self.cuts.add(cut)
         try:
             async with self.upstream.open(peer.url + target, headers, body, cut) as answer:
                 if answer.status in (401, 403):  # the peer's refusal is about our token for it
@@ -212,11 +222,18 @@ class PeerLink:
                 try:
                     await relay(answer, response)
                 except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-                    await self.broken_off(request, response, peer, exc)
+                    await self.broken_off(request, response, peer, exc, cut.reason)
                     return response
                 await response.write_eof()
                 return response
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if cut.reason and task is not None and task.uncancel() == 0:  # cut, not the client
+                return reply(503, f"{cut.reason} before peer {peer.name} answered")
+            raise
         except UpstreamError as exc:
+            if cut.reason:
+                return reply(503, f"{cut.reason} before peer {peer.name} answered")
             if exc.refused:
                 self.mark(state, False, f"cannot connect: {exc}")
                 return None
@@ -224,15 +241,18 @@ class PeerLink:
                          f"peer {peer.name} ({peer.url}) did not answer: {exc}", peer=peer.name)
         finally:
             cut.done = True
+            self.cuts.discard(cut)
 
     async def broken_off(self, request: web.BaseRequest, response: web.StreamResponse,
-                         peer: Peer, exc: BaseException) -> None:
-        """The peer's answer stopped before its end: a stream gets an SSE error event, then the
-        client connection closes without the body's end, so no client takes it as complete."""
-        message = (f"peer {peer.name} sent nothing in time" if isinstance(exc, TimeoutError)
-                   else f"peer {peer.name}'s answer broke off ({type(exc).__name__})")
+                         peer: Peer, exc: BaseException, reason: str = "") -> None:
+        """The peer's answer stopped before its end (or this router cut it: `reason`): a stream
+        gets an SSE error event, then the client connection closes without the body's end, so
+        no client takes it as complete."""
+        status, message = (503, reason) if reason else (502, (
+            f"peer {peer.name} sent nothing in time" if isinstance(exc, TimeoutError)
+            else f"peer {peer.name}'s answer broke off ({type(exc).__name__})"))
         if response.content_type == "text/event-stream":
-            event = b"data: " + json.dumps(error_body(message, 502)).encode() + b"\n\n"
+            event = b"data: " + json.dumps(error_body(message, status)).encode() + b"\n\n"
             with contextlib.suppress(ConnectionError, RuntimeError):
                 await response.write(event)
         if request.transport is not None:

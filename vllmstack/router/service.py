@@ -329,7 +329,7 @@ async def _serve(project: Project, catalog: Catalog, lifecycle: Lifecycle, *, ho
     finally:
         if watch is not None:
             watch.cancel()
-        await _close(server, front, manager, idle)
+        await _close(server, front, manager, idle, link)
         try:
             await manager.shutdown(limits.stop_timeout)
         finally:
@@ -364,7 +364,7 @@ def outside_engines(project: Project, catalog: Catalog) -> list[OtherEngine]:
 
 
 async def _close(server: asyncio.AbstractServer, front: Front, manager: EngineManager,
-                 idle: asyncio.Task[None] | None) -> None:
+                 idle: asyncio.Task[None] | None, link: PeerLink | None = None) -> None:
     """Stop accepting; answer the queued requests 503 and end the streams in flight with an
     error event; close every connection once its answer is written."""
     server.close()
@@ -374,9 +374,12 @@ async def _close(server: asyncio.AbstractServer, front: Front, manager: EngineMa
     # before its connection closes, not a dropped connection (issue 35).
     manager.closing = True
     manager.schedule()
-    if manager.cut_all("the router is stopping"):
+    # The peers' streams too: each ends with its error event, not a dropped connection.
+    cut_peers = link.cut_all("the router is stopping") if link is not None else 0
+    if manager.cut_all("the router is stopping") or cut_peers:
         deadline = time.monotonic() + CUT_WAIT_S
-        while manager.inflight and time.monotonic() < deadline:
+        while (manager.inflight or (link is not None and link.cuts)) \
+                and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
     # aiohttp's graceful close: each handler still writing (a 503, an error event) gets up to
     # CUT_WAIT_S, then it is cancelled and the connection closed; idle ones close at once.
