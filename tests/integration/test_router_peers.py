@@ -202,3 +202,17 @@ def test_a_stopping_router_ends_a_peer_stream_with_an_error_event(boxes: dict[st
     assert a.proc.wait(timeout=30) == 0
     # B goes on serving its own clients.
     assert b.chat("sim-b").status_code == 200
+
+
+def test_a_bad_peer_entry_stops_the_start_naming_the_key_file_and_line(tmp_path: Path) -> None:
+    root = simulator_project(tmp_path / "a", {"sim-a": "SIM_BOOT_SECONDS=0.3"}, port=free_port())
+    with (root / ".env").open("a") as dotenv:
+        dotenv.write("ROUTER_PEERS=box2\n")
+    line = len((root / ".env").read_text().splitlines())
+    done = subprocess.run(
+        [sys.executable, "-m", "vllmstack.router", "--project", str(root), "--port",
+         str(free_port()), "--profiles", "sim-a"], cwd=root, capture_output=True, text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"error: ROUTER_PEERS (set at .env:{line}): 'box2' is not name=URL" in done.stderr
+    assert "fix:   give each peer as name=URL" in done.stderr

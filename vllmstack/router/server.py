@@ -248,8 +248,8 @@ class RouterApp:
             data += self.peers.listing(self.created, set(self.catalog.entries))
         return {"object": "list", "data": data}
 
-    def peer_model(self, request: web.BaseRequest, body: bytes | None, data: Any = None
-                   ) -> str | None:
+    def peer_model(self, request: web.BaseRequest, body: bytes | None, data: Any = None,
+                   keys: tuple[str, ...] = MODEL_KEYS) -> str | None:
         """The model a request names (in `data`, else in the JSON `body`) when no profile here
         serves it and a peer lists it; None for one that came over a peer link (HOP_HEADER):
         it is answered here, never sent on."""
@@ -262,7 +262,7 @@ class RouterApp:
                 return None
         if not isinstance(data, dict):
             return None
-        name = next((data[k] for k in MODEL_KEYS if k in data), None)
+        name = next((data[k] for k in keys if k in data), None)
         if isinstance(name, str) and self.catalog.find(name) is None and self.peers.knows(name):
             return name
         return None
@@ -333,7 +333,9 @@ class RouterApp:
                 return refuse(exc.status, exc.message)
         query = request.rel_url.raw_query_string
         target = path + ("?" + query if query else "")
-        if (model := self.peer_model(request, None, data)) is not None and self.peers:
+        # A generation names its model in `model` only (entry_for, strict=False).
+        if (model := self.peer_model(request, None, data, MODEL_KEYS[:1])) is not None \
+                and self.peers:
             return await self.peers.forward(request, target, body, model)
         entry = self.entry_for(data, strict=False)
         if isinstance(entry, web.Response):
