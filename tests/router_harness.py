@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -22,6 +22,8 @@ from vllmstack.router.catalog import Catalog, Entry
 from vllmstack.router.engines import EngineManager, Loaded
 from vllmstack.router.front import Front
 from vllmstack.router.limits import Limits
+from vllmstack.router.link import PeerLink
+from vllmstack.router.peers import Peer
 from vllmstack.router.server import RouterApp
 from vllmstack.router.states import Adopted, Slept
 from vllmstack.router.upstream import Upstream
@@ -124,13 +126,15 @@ class Running:
 @contextlib.contextmanager
 def running_router(limits: Limits, *, token: str = "", engine_kind: str = "vllm",
                    loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None,
+                   model: str = "m", port: int | None = None, peers: Sequence[Peer] = (),
                    ) -> Iterator[Running]:
-    """A router serving model "m" (profile "p", engine `engine_kind`) on a free loopback port."""
+    """A router serving `model` (profile "p", engine `engine_kind`) on a free loopback port (or
+    `port`), with `peers` (ROUTER_PEERS) polled as the real router polls them."""
     engine = Engine()
     resolved = Resolved("cpu", "p", {"VLLM_PORT": Setting("VLLM_PORT", "1", "test")}, [])
-    catalog = Catalog("cpu", {"m": Entry("m", "p", engine_kind, resolved, 0.0)}, {"p": "m"})
+    catalog = Catalog("cpu", {model: Entry(model, "p", engine_kind, resolved, 0.0)}, {"p": model})
     lifecycle = Lifecycle(engine.url)
-    chosen, started = free_port(), threading.Event()
+    chosen, started = port or free_port(), threading.Event()
     loop = loop_factory() if loop_factory else asyncio.new_event_loop()
     stop = loop.create_future()
     box: dict[str, Any] = {}
@@ -139,13 +143,20 @@ def running_router(limits: Limits, *, token: str = "", engine_kind: str = "vllm"
     async def main() -> None:
         upstream = Upstream(limits)
         manager = EngineManager(catalog, lifecycle, limits=limits, probe=upstream.probe)
+        link = PeerLink(list(peers), upstream, said.append) if peers else None
         app = RouterApp(catalog, manager, upstream, token=token, exposed_on="127.0.0.1",
-                        load_timeout=10, limits=limits)
+                        load_timeout=10, limits=limits, peers=link)
         front = Front(app.handle, limits, say=said.append)
-        server = await loop.create_server(front, "127.0.0.1", chosen)
+        server = await loop.create_server(front, "127.0.0.1", chosen, reuse_address=True)
+        watch = None
+        if link is not None:
+            await link.poll_all()
+            watch = loop.create_task(link.watch())
         box.update(app=app, front=front)
         started.set()
         await stop
+        if watch is not None:
+            watch.cancel()
         server.close()
         for connection in front.connections:
             connection.force_close()

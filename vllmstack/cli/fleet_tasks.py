@@ -75,7 +75,8 @@ def burn(c: Context, profiles: Opt = None, runs: int = 5, warmup: int = 2, max_t
     exit_with(1 if result.failed else 0)
 
 
-@stack_task(values={"token_file": PATH, "swap": choice(("auto", "sleep", "restart"))}, help={
+@stack_task(values={"token_file": PATH, "peer_token_dir": PATH,
+                    "swap": choice(("auto", "sleep", "restart"))}, help={
     **FLEET_HELP,
     "host": "address to listen on (default 127.0.0.1; beyond loopback a token is required)",
     "port": "port to listen on (default 8080)",
@@ -88,11 +89,16 @@ def burn(c: Context, profiles: Opt = None, runs: int = 5, warmup: int = 2, max_t
                      "cuts them (0: for ever; default 600)",
     "swap": "auto, sleep (keep loaded vLLM engines asleep, wake in about a second) or restart "
             "(default: ROUTER_SWAP)",
-    "plan": "print the memory plan for the platform's profiles and start nothing"})
+    "plan": "print the memory plan for the platform's profiles and start nothing",
+    "peers": "other boxes' routers whose models this one also serves: name=URL,... (default: "
+             "ROUTER_PEERS)",
+    "peer_token_dir": "the folder of the peers' token files, NAME.token each (default: "
+                      "ROUTER_PEER_TOKEN_DIR, else ~/.config/vllmstack/peer-tokens)"})
 def router(c: Context, host: str = "127.0.0.1", port: int = 8080, platform: Opt = None,
            ttl: float | None = None, profiles: Opt = None, token_file: Opt = None,
            runtime: Opt = None, load_timeout: float | None = None,
-           drain_timeout: float | None = None, swap: Opt = None, plan: bool = False) -> None:
+           drain_timeout: float | None = None, swap: Opt = None, plan: bool = False,
+           peers: Opt = None, peer_token_dir: Opt = None) -> None:
     """One OpenAI endpoint for every profile: loads the model a request names, swaps by sleep or restart."""
     from vllmstack.router.options import TOKEN_VAR
     from vllmstack.router.service import run_router, show_plan
@@ -107,4 +113,5 @@ def router(c: Context, host: str = "127.0.0.1", port: int = 8080, platform: Opt 
     os.environ.pop(TOKEN_VAR, None)
     exit_with(run_router(project_here(), environ, host=host, port=port, platform=platform,
                          ttl=ttl, profiles=chosen, token_file=token_file, runtime=runtime,
-                         load_timeout=load_timeout, drain_timeout=drain_timeout, swap=swap))
+                         load_timeout=load_timeout, drain_timeout=drain_timeout, swap=swap,
+                         peers=peers, peer_token_dir=peer_token_dir))

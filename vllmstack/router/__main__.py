@@ -1,5 +1,6 @@
 """`python -m vllmstack.router [--host H] [--port P] [--platform P] [--ttl S] [--profiles a,b]
-[--load-timeout S] [--drain-timeout S] [--token-file FILE] [--swap auto|sleep|restart] [--plan]`.
+[--load-timeout S] [--drain-timeout S] [--token-file FILE] [--swap auto|sleep|restart] [--plan]
+[--peers name=URL,...] [--peer-token-dir DIR]`.
 
 `invoke router` and this entry point both end in `run_router`; this one serves a checkout
 without invoke (a systemd unit, the tests, the benchmark). Values arrive as text and are checked
@@ -49,6 +50,12 @@ def main(argv: Sequence[str]) -> int:
                         help="print the memory plan for the platform's profiles; start nothing")
     parser.add_argument("--token-file", default=None,
                         help=f"a file holding the token clients must send (default: {TOKEN_VAR})")
+    parser.add_argument("--peers", default=None,
+                        help="other boxes' routers whose models this one also serves: "
+                             "name=URL,... (default: ROUTER_PEERS)")
+    parser.add_argument("--peer-token-dir", default=None,
+                        help="the folder of the peers' token files, NAME.token each "
+                             "(default: ROUTER_PEER_TOKEN_DIR)")
     args = parser.parse_args(list(argv))
     environ = dict(os.environ)
     os.environ.pop(TOKEN_VAR, None)
@@ -64,7 +71,8 @@ def main(argv: Sequence[str]) -> int:
                           profiles=[p.strip() for p in args.profiles.split(",") if p.strip()],
                           runtime=args.runtime, load_timeout=args.load_timeout,
                           drain_timeout=args.drain_timeout, token_file=args.token_file,
-                          swap=args.swap)
+                          swap=args.swap, peers=args.peers,
+                          peer_token_dir=args.peer_token_dir)
     except StackError as exc:
         print(exc.render(), file=sys.stderr)
         return 1

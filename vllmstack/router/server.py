@@ -59,14 +59,15 @@ from vllmstack.router.limits import (
     parse_body,
     shown_name,
 )
+from vllmstack.router.link import HOP_HEADER, PeerLink
 from vllmstack.router.stacks import DOWN_TIMEOUT_S
 from vllmstack.router.upstream import (
     Cut,
     Upstream,
     UpstreamError,
+    begin_response,
     relay,
     request_headers,
-    response_headers,
 )
 
 # The engines' POST routes that name their model, forwarded by it: each kind's `routes`
@@ -163,8 +164,9 @@ def protocol_problem(request: web.BaseRequest) -> str | None:
 class RouterApp:
     def __init__(self, catalog: Catalog, manager: EngineManager, upstream: Upstream, *,
                  token: str, exposed_on: str, load_timeout: float | None = None,
-                 limits: Limits | None = None) -> None:
+                 limits: Limits | None = None, peers: PeerLink | None = None) -> None:
         self.catalog, self.manager, self.upstream, self.token = catalog, manager, upstream, token
+        self.peers = peers  # ROUTER_PEERS: the models of other boxes' routers (link.py)
         self.limits = limits or Limits()
         self.auth_required = access.token_required(exposed_on, token)
         self.load_timeout = load_timeout
@@ -193,7 +195,10 @@ class RouterApp:
         if method == "GET" and path == "/v1/models":
             return reply(200, self.models())
         if method == "GET" and path in ("/v1/health", "/health"):
-            return reply(200, self.manager.snapshot())
+            snapshot = self.manager.snapshot()
+            if self.peers is not None:
+                snapshot["peers"] = self.peers.snapshot()
+            return reply(200, snapshot)
         if method == "GET" and path == "/v1/router/plan":
             return self.plan_for(request.rel_url.query.get("model"))
         if method == "POST" and (path in GENERATION or path in LIFECYCLE):
@@ -207,6 +212,8 @@ class RouterApp:
             try:  # the body's bytes stay counted until the request is done
                 if path in GENERATION:
                     return await self.generate(request, path, body)
+                if (model := self.peer_model(request, body)) is not None and self.peers:
+                    return await self.peers.forward(request, path, body, model)
                 return await (self.load(body) if path == "/v1/load" else self.unload(body))
             finally:
                 self.ledger.give(len(body))
@@ -237,7 +244,28 @@ class RouterApp:
             if status.error:
                 item["error"] = status.error
             data.append(item)
+        if self.peers is not None:
+            data += self.peers.listing(self.created, set(self.catalog.entries))
         return {"object": "list", "data": data}
+
+    def peer_model(self, request: web.BaseRequest, body: bytes | None, data: Any = None,
+                   keys: tuple[str, ...] = MODEL_KEYS) -> str | None:
+        """The model a request names (in `data`, else in the JSON `body`) when no profile here
+        serves it and a peer lists it; None for one that came over a peer link (HOP_HEADER):
+        it is answered here, never sent on."""
+        if self.peers is None or HOP_HEADER in request.headers:
+            return None
+        if data is None:
+            try:
+                data = parse_body(body or b"", self.limits)
+            except BodyError:
+                return None
+        if not isinstance(data, dict):
+            return None
+        name = next((data[k] for k in keys if k in data), None)
+        if isinstance(name, str) and self.catalog.find(name) is None and self.peers.knows(name):
+            return name
+        return None
 
     def entry_for(self, data: Any, *, strict: bool) -> Entry | web.Response:
         """The catalog entry the body names, or the 400/404 answer. `strict` (the lifecycle
@@ -255,7 +283,10 @@ class RouterApp:
             return refuse(400, f"name a model in 'model' (a string): one of {ids}", param="model")
         entry = self.catalog.find(name)
         if entry is None:
-            return refuse(404, f"The model `{shown_name(name)}` does not exist. Known models: {ids}",
+            # A peer that is down may serve it: the 404 says which, and why it is down.
+            down = self.peers.down() if self.peers is not None else ""
+            return refuse(404, f"The model `{shown_name(name)}` does not exist. Known models: {ids}"
+                          + (f"; not known from {down}" if down else ""),
                           param="model", known=self.catalog.ids)
         return entry
 
@@ -300,6 +331,12 @@ class RouterApp:
                 data = parse_body(body, self.limits)
             except BodyError as exc:
                 return refuse(exc.status, exc.message)
+        query = request.rel_url.raw_query_string
+        target = path + ("?" + query if query else "")
+        # A generation names its model in `model` only (entry_for, strict=False).
+        if (model := self.peer_model(request, None, data, MODEL_KEYS[:1])) is not None \
+                and self.peers:
+            return await self.peers.forward(request, target, body, model)
         entry = self.entry_for(data, strict=False)
         if isinstance(entry, web.Response):
             return entry
@@ -309,8 +346,6 @@ class RouterApp:
         if data["model"] != entry.id:  # named by its profile: the engine knows its served name
             body = (body[:form[1]] + entry.id.encode() + body[form[2]:] if form is not None
                     else json.dumps({**data, "model": entry.id}).encode())
-        query = request.rel_url.raw_query_string
-        target = path + ("?" + query if query else "")
         headers = request_headers(request.headers.items(), self.drop)
         arrived = self.manager.clock()  # its first-token time counts from here (the snapshot's)
         for attempt in (1, 2):
@@ -337,16 +372,7 @@ class RouterApp:
         try:
             async with self.upstream.open(url, headers, body, cut) as answer:
                 self.manager.answered(entry, answer.status, arrived)
-                response = web.StreamResponse(status=answer.status, reason=answer.reason,
-                                              headers=response_headers(answer))
-                length = answer.headers.get("content-length")
-                if length is not None and length.isdigit() and "transfer-encoding" not in answer.headers:
-                    response.content_length = int(length)
-                elif request.version >= aiohttp.HttpVersion11:
-                    response.enable_chunked_encoding()
-                else:  # HTTP/1.0 has no chunks (a 500 with them): the body ends at the close
-                    response.force_close()
-                await response.prepare(request)
+                response = await begin_response(request, answer)
                 try:
                     await relay(answer, response)
                 except (aiohttp.ClientError, TimeoutError, OSError) as exc:

@@ -35,8 +35,10 @@ from vllmstack.router.engines import DRAIN_TIMEOUT_S, EngineManager, Lifecycle
 from vllmstack.router.front import Front
 from vllmstack.router.history import write_store
 from vllmstack.router.limits import Limits, read_limits
+from vllmstack.router.link import PeerLink
 from vllmstack.router.memory import build_plan, render_plan
 from vllmstack.router.options import TOKEN_VAR, RouterError
+from vllmstack.router.peers import Peer, plain_loopback, start_peers
 from vllmstack.router.plan import SLEEP, Plan
 from vllmstack.router.record import identity, remove_record, router_lock, write_record
 from vllmstack.router.server import RouterApp
@@ -61,13 +63,15 @@ def run_router(project: Project, environ: Mapping[str, str], *, host: str = DEFA
                token: str | None = None, token_file: str | Path | None = None,
                out: TextIO | None = None, runner: Runner | None = None, runtime: str | None = None,
                load_timeout: float | str | None = None, drain_timeout: float | str | None = None,
-               lifecycle: Lifecycle | None = None, swap: str | None = None) -> int:
+               lifecycle: Lifecycle | None = None, swap: str | None = None,
+               peers: str | None = None, peer_token_dir: str | None = None) -> int:
     """Serve until a stop signal; 0 after a clean stop. The token: `token_file`, else
     ROUTER_TOKEN from `environ`, else from .env (`token` only for callers in this process).
     `ttl` (seconds, 0 = never) overrides every profile's IDLE_TTL; `load_timeout` bounds how long
     a request waits for its model (default: the profile's UP_TIMEOUT plus the previous engine's
     stop); `drain_timeout` how long a swap waits for the old model's requests before it cuts
-    them (0 = for ever); `swap` (--swap) overrides ROUTER_SWAP."""
+    them (0 = for ever); `swap` (--swap) overrides ROUTER_SWAP; `peers` (--peers) ROUTER_PEERS
+    and `peer_token_dir` ROUTER_PEER_TOKEN_DIR (router.peers)."""
     out = out or sys.stdout
     port = options.port(port)
     ttl = options.seconds("--ttl", ttl, zero_means="never unload")
@@ -89,6 +93,8 @@ def run_router(project: Project, environ: Mapping[str, str], *, host: str = DEFA
                 f"string of at least {options.MIN_TOKEN_BYTES} bytes, e.g. {options.MAKE_TOKEN}; "
                 f"clients send it as 'Authorization: Bearer TOKEN'), or listen on {DEFAULT_HOST} "
                 "(--host)")
+        peer_list = start_peers(first, environ, root=project.root, peers=peers,
+                                token_dir=peer_token_dir)
         say = logger(project, out)
         limits = fit_open_files(limits, say)
         # The token is the router's: the engines it starts never see it.
@@ -102,7 +108,7 @@ def run_router(project: Project, environ: Mapping[str, str], *, host: str = DEFA
             return loop_runner.run(_serve(
                 project, catalog, lifecycle, host=host, port=port, token=token,
                 load_timeout=load_timeout, say=say, limits=limits, plan=plan,
-                drain_timeout=DRAIN_TIMEOUT_S if drain is None else drain))
+                drain_timeout=DRAIN_TIMEOUT_S if drain is None else drain, peers=peer_list))
 
 
 def plan_router(project: Project, environ: Mapping[str, str], *, platform: str | None = None,
@@ -222,7 +228,7 @@ def local_url(host: str, port: int) -> str:
 async def _serve(project: Project, catalog: Catalog, lifecycle: Lifecycle, *, host: str, port: int,
                  token: str, load_timeout: float | None, say: Callable[[str], None],
                  limits: Limits, drain_timeout: float = DRAIN_TIMEOUT_S,
-                 plan: Plan | None = None) -> int:
+                 plan: Plan | None = None, peers: Sequence[Peer] = ()) -> int:
     loop = asyncio.get_running_loop()
     url = local_url(host, port)
     started = time.time()
@@ -257,8 +263,9 @@ async def _serve(project: Project, catalog: Catalog, lifecycle: Lifecycle, *, ho
                             plan=plan, remember=lambda profile, figures: report(
                                 "generated/router/memory.json",
                                 lambda: write_store(project, profile, **figures)))
+    link = PeerLink(list(peers), upstream, say) if peers else None
     app = RouterApp(catalog, manager, upstream, token=token, exposed_on=host,
-                    load_timeout=load_timeout, limits=limits)
+                    load_timeout=load_timeout, limits=limits, peers=link)
     front = Front(app.handle, limits, say=say)
     outside = await asyncio.to_thread(outside_engines, project, catalog)
     if outside:
@@ -292,6 +299,7 @@ async def _serve(project: Project, catalog: Catalog, lifecycle: Lifecycle, *, ho
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stopping, sig)
     idle: asyncio.Task[None] | None = None
+    watch: asyncio.Task[None] | None = None
     try:
         adopted = await manager.adopt()
         if plan is not None and adopted and plan.card is not None:
@@ -299,16 +307,29 @@ async def _serve(project: Project, catalog: Catalog, lifecycle: Lifecycle, *, ho
             held = plan.usage(manager.views())
             plan.baseline = max(0, plan.baseline - held)
         record()
+        if link is not None:  # what the peers serve is known before the first request
+            await link.poll_all()
+            watch = loop.create_task(link.watch())
         await server.start_serving()
         names = ", ".join(f"{e.id} ({e.profile}, {e.engine}, {manager.members[e.id].mode}, "
                           f"ttl {e.ttl:g} s)" for e in catalog.entries.values())
         say(f"router on {url}/v1 for platform {catalog.platform}: {names}")
         say("token required for requests" if app.auth_required else "loopback only, no token")
+        for name, state in (link.states.items() if link else ()):
+            say(f"peer {name}: {state.peer.url}, "
+                + (f"up: {', '.join(sorted(state.models)) or 'no models'}" if state.up
+                   else f"down: {state.reason}"))
+            if not plain_loopback(state.peer.url):
+                say(f"warning: peer {name} is plain http beyond loopback: its token and the "
+                    "requests cross the network unencrypted (put TLS in front of it and use "
+                    "https://, or keep the link on a trusted network)")
         idle = loop.create_task(manager.idle_loop())
         await stop.wait()
         say(f"stopping ({got[0] if got else 'stop'})")
     finally:
-        await _close(server, front, manager, idle)
+        if watch is not None:
+            watch.cancel()
+        await _close(server, front, manager, idle, link)
         try:
             await manager.shutdown(limits.stop_timeout)
         finally:
@@ -343,7 +364,7 @@ def outside_engines(project: Project, catalog: Catalog) -> list[OtherEngine]:
 
 
 async def _close(server: asyncio.AbstractServer, front: Front, manager: EngineManager,
-                 idle: asyncio.Task[None] | None) -> None:
+                 idle: asyncio.Task[None] | None, link: PeerLink | None = None) -> None:
     """Stop accepting; answer the queued requests 503 and end the streams in flight with an
     error event; close every connection once its answer is written."""
     server.close()
@@ -353,9 +374,12 @@ async def _close(server: asyncio.AbstractServer, front: Front, manager: EngineMa
     # before its connection closes, not a dropped connection (issue 35).
     manager.closing = True
     manager.schedule()
-    if manager.cut_all("the router is stopping"):
+    # The peers' streams too: each ends with its error event, not a dropped connection.
+    cut_peers = link.cut_all("the router is stopping") if link is not None else 0
+    if manager.cut_all("the router is stopping") or cut_peers:
         deadline = time.monotonic() + CUT_WAIT_S
-        while manager.inflight and time.monotonic() < deadline:
+        while (manager.inflight or (link is not None and link.cuts)) \
+                and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
     # aiohttp's graceful close: each handler still writing (a 503, an error event) gets up to
     # CUT_WAIT_S, then it is cancelled and the connection closed; idle ones close at once.

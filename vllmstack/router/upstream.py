@@ -176,6 +176,23 @@ class Upstream:
             answer.release()  # complete: back to the pool; not complete: closed
 
 
+async def begin_response(request: web.BaseRequest, answer: aiohttp.ClientResponse
+                         ) -> web.StreamResponse:
+    """The client's response to the upstream `answer`, its head sent: the status and headers
+    (hop-by-hop ones left out), framed as the client can read it."""
+    response = web.StreamResponse(status=answer.status, reason=answer.reason,
+                                  headers=response_headers(answer))
+    length = answer.headers.get("content-length")
+    if length is not None and length.isdigit() and "transfer-encoding" not in answer.headers:
+        response.content_length = int(length)
+    elif request.version >= aiohttp.HttpVersion11:
+        response.enable_chunked_encoding()
+    else:  # HTTP/1.0 has no chunks (a 500 with them): the body ends at the close
+        response.force_close()
+    await response.prepare(request)
+    return response
+
+
 async def relay(answer: aiohttp.ClientResponse, response: web.StreamResponse) -> None:
     """Copy the engine's body to the client as it arrives. A chunked body leaves chunk for chunk
     (a chunk split across reads is written once whole); any other body piece by piece."""
