@@ -11,7 +11,7 @@ from invoke.context import Context
 
 from vllmstack.cli.common import JSON_HELP, Opt, Sets, print_json, project_here
 from vllmstack.cli.task import exit_with, stack_task
-from vllmstack.cli.values import ENGINE_PROFILE, PATH, choice
+from vllmstack.cli.values import ENGINE_PROFILE, PATH, choice, text
 from vllmstack.core.errors import StackError
 
 
@@ -76,6 +76,8 @@ def burn(c: Context, profiles: Opt = None, runs: int = 5, warmup: int = 2, max_t
 
 
 @stack_task(values={"token_file": PATH, "peer_token_dir": PATH,
+                    # its names and URLs are checked with the peers' tokens (router.peers)
+                    "peers": text("peers: NAME=URL, comma-separated", "box2=http://10.0.0.2:8080"),
                     "swap": choice(("auto", "sleep", "restart"))}, help={
     **FLEET_HELP,
     "host": "address to listen on (default 127.0.0.1; beyond loopback a token is required)",
